@@ -1,0 +1,3 @@
+from streamck.cli import entry
+
+entry()

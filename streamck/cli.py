@@ -1,0 +1,185 @@
+"""The ``streamck`` command: a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from streamck import manifest
+from streamck.errors import StreamckError
+from streamck.plan import Rule, Rules, compile_plan, load_rules
+from streamck.source import open_checkpoint
+from streamck.writer import parse_size, rewrite
+
+
+def human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError
+
+
+def shape_str(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+class _AddRule(argparse.Action):
+    """Collect every rule option into one list, keeping the order they were given in."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.rules = [*(namespace.rules or []), Rule(self.dest, value)]
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    ckpt = open_checkpoint(args.src)
+    if args.json:
+        sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
+        return 0
+    rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
+    rows += [
+        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), os.path.relpath(t.path, ckpt.root))
+        for t in ckpt.tensors.values()
+    ]
+    table(rows)
+    print(
+        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s), {human(ckpt.total_size)} ({ckpt.total_size} bytes)"
+    )
+    return 0
+
+
+def _rules(args: argparse.Namespace) -> Rules:
+    base = load_rules(args.plan) if args.plan else Rules()
+    return base + Rules(tuple(args.rules or ()), args.dtype)
+
+
+def _print_plan(plan) -> None:
+    rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
+    for t in plan.tensors:
+        dtype = f"{t.source.dtype}->{t.dtype}" if t.is_cast else t.dtype
+        rows.append((t.source.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
+    table(rows)
+    src = plan.source
+    dropped = len(src.tensors) - len(plan.tensors) if src else 0
+    print(f"{len(plan.tensors)} tensors ({dropped} dropped), {human(plan.total_size)} ({plan.total_size} bytes)")
+
+
+def _cmd_rewrite(args: argparse.Namespace) -> int:
+    ckpt = open_checkpoint(args.src)
+    plan = compile_plan(ckpt, _rules(args))
+    if args.dry_run:
+        if args.json:
+            sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
+        else:
+            _print_plan(plan)
+        return 0
+    if args.output is None:
+        raise StreamckError("rewrite needs -o OUT (or --dry-run)")
+    result = rewrite(
+        plan,
+        args.output,
+        max_shard_size=parse_size(args.max_shard_size) if args.max_shard_size else None,
+        header_align=args.header_align,
+        force=args.force,
+        drop_cache=args.drop_cache,
+        device=args.device,
+        progress=not args.quiet and sys.stderr.isatty(),
+    )
+    for name, count in sorted(result.overflow.items()):
+        print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
+    if not args.quiet:
+        print(f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamck", description="Memory-streaming safetensors rewriter.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
+    ls.add_argument("src", help="a .safetensors file or a checkpoint directory")
+    ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    ls.set_defaults(func=_cmd_ls)
+
+    rw = sub.add_parser("rewrite", help="rename, filter and cast into a new checkpoint, streaming")
+    rw.add_argument("src", help="a .safetensors file or a checkpoint directory")
+    rw.add_argument("-o", "--output", help="OUT.safetensors (one file) or a directory")
+    rules = rw.add_argument_group("rules, applied in the order given")
+    rules.add_argument("--strip-prefix", dest="strip_prefix", metavar="P", action=_AddRule)
+    rules.add_argument("--add-prefix", dest="add_prefix", metavar="P", action=_AddRule)
+    rules.add_argument(
+        "--rename",
+        dest="rename",
+        metavar="REGEX=REPL",
+        action=_AddRule,
+        help="re.sub on the name; \\1 refers to groups",
+    )
+    rules.add_argument("--drop", dest="drop", metavar="GLOB", action=_AddRule, help="drop source names matching")
+    rules.add_argument(
+        "--keep", dest="keep", metavar="GLOB", action=_AddRule, help="keep only source names matching (any --keep)"
+    )
+    rules.add_argument(
+        "--cast",
+        dest="cast",
+        metavar="GLOB=DTYPE",
+        action=_AddRule,
+        help="cast matching floating tensors; wins over --dtype, last match wins",
+    )
+    rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
+    rules.add_argument("--plan", help="a TOML plan file (its rules come before the command line's)")
+    rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
+    rw.add_argument("--json", action="store_true", help="with --dry-run: print the output manifest")
+    rw.add_argument("--max-shard-size", metavar="SIZE", help="split into shards (5GB, 500MiB)")
+    rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
+    rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
+    rw.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where casts run (default cpu)")
+    rw.add_argument("--force", action="store_true", help="replace an existing output")
+    rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    rw.set_defaults(func=_cmd_rewrite, rules=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from streamck.writer.atomic import Interrupted
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except StreamckError as e:
+        print(f"streamck: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("streamck: interrupted", file=sys.stderr)
+        return 130
+    except Interrupted as e:
+        print(f"streamck: stopped by {e}", file=sys.stderr)
+        return e.code
+    except BrokenPipeError:
+        return 0 if _quiet_pipe() else 2
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"streamck: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _quiet_pipe() -> bool:
+    # stdout went away (streamck ls | head): not an error; silence the flush at exit.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return True
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

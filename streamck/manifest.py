@@ -1,0 +1,84 @@
+"""The manifest: a checkpoint's key set as stable, diff-friendly JSON.
+
+Format (version 1)::
+
+    {
+      "format": "streamck-manifest",
+      "metadata": {...},            # the header __metadata__
+      "tensors": {
+        "name": {"dtype": "BF16", "shape": [4096, 4096]},   # one line per tensor
+        ...
+      },
+      "total_size": 123,            # bytes of tensor data
+      "version": 1
+    }
+
+Keys are sorted everywhere. A tensor entry may carry more fields (``sha256``
+in a hash manifest); readers ignore fields they do not know.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+FORMAT = "streamck-manifest"
+VERSION = 1
+
+
+def build_manifest(
+    tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
+    metadata: dict[str, str],
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A manifest from ``(name, dtype, shape, nbytes)`` rows; ``extra`` adds fields per tensor."""
+    entries, total = {}, 0
+    for name, dtype, shape, size in tensors:
+        entries[name] = {"dtype": dtype, "shape": list(shape), **(extra or {}).get(name, {})}
+        total += size
+    return {
+        "format": FORMAT,
+        "metadata": dict(sorted(metadata.items())),
+        "tensors": dict(sorted(entries.items())),
+        "total_size": total,
+        "version": VERSION,
+    }
+
+
+def dumps(manifest: dict[str, Any]) -> str:
+    """Render with sorted keys, two-space indent, and each tensor on one line."""
+    dump = lambda v: json.dumps(v, sort_keys=True, ensure_ascii=False)  # noqa: E731
+    lines = ["{"]
+    keys = sorted(manifest)
+    for i, key in enumerate(keys):
+        comma = "," if i < len(keys) - 1 else ""
+        value = manifest[key]
+        if key == "tensors" and value:
+            lines.append(f"  {dump(key)}: {{")
+            rows = sorted(value.items())
+            lines += [f"    {dump(n)}: {dump(e)}{',' if j < len(rows) - 1 else ''}" for j, (n, e) in enumerate(rows)]
+            lines.append(f"  }}{comma}")
+        else:
+            lines.append(f"  {dump(key)}: {dump(value)}{comma}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def checkpoint_manifest(checkpoint) -> dict[str, Any]:
+    """The manifest of an indexed checkpoint."""
+    rows = ((t.name, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors.values())
+    return build_manifest(rows, checkpoint.metadata)
+
+
+def plan_manifest(plan) -> dict[str, Any]:
+    """The manifest of what a compiled plan would write."""
+    return build_manifest(((t.name, t.dtype, t.shape, t.nbytes) for t in plan.tensors), plan.metadata)
+
+
+def load_manifest(text: str | bytes) -> dict[str, Any] | None:
+    """Parse ``text`` as a manifest; None if it is JSON of another kind."""
+    obj = json.loads(text)
+    if isinstance(obj, dict) and isinstance(obj.get("tensors"), dict):
+        return obj
+    return None

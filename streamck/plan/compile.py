@@ -1,0 +1,96 @@
+"""Compile rules against a checkpoint into the exact list of output tensors."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from streamck.dtypes import CASTABLE, nbytes
+from streamck.errors import PlanError
+from streamck.plan.rules import Rules
+from streamck.source import Checkpoint, TensorRef
+
+
+@dataclass(frozen=True, slots=True)
+class OutputTensor:
+    """One tensor of the output: its name, its source, and the dtype it is written in."""
+
+    name: str
+    source: TensorRef
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.source.numel)  # type: ignore[return-value]
+
+    @property
+    def is_cast(self) -> bool:
+        return self.dtype != self.source.dtype
+
+
+@dataclass
+class Plan:
+    """Everything a rewrite writes: tensors, header metadata, and small files beside them."""
+
+    tensors: list[OutputTensor]
+    metadata: dict[str, str]
+    files: dict[str, bytes] = field(default_factory=dict)
+    source: Checkpoint | None = None
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def needs_torch(self) -> bool:
+        return any(t.is_cast for t in self.tensors)
+
+
+def _listing(items: list[str], limit: int = 8) -> str:
+    more = f", … and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def resolve_dtype(rules: Rules, ref: TensorRef) -> str:
+    """The dtype ``ref`` is written in under ``rules``; a --cast naming a non-float tensor is an error."""
+    explicit = rules.cast_for(ref.name)
+    if explicit is not None:
+        if ref.dtype not in CASTABLE:
+            raise PlanError(f"--cast matches {ref.name!r}, a {ref.dtype} tensor, which is never cast")
+        return explicit
+    if rules.dtype is not None and ref.dtype in CASTABLE:
+        return rules.dtype
+    return ref.dtype
+
+
+def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None) -> Plan:
+    """Apply ``rules`` to every tensor of ``checkpoint`` and return the output plan.
+
+    Raises PlanError, before anything is written, when two tensors land on one
+    name, when nothing is left, or when a cast names a non-floating tensor.
+    """
+    rules = rules or Rules()
+    by_name: dict[str, list[str]] = defaultdict(list)
+    tensors = []
+    for ref in checkpoint.tensors.values():
+        out = rules.output_name(ref.name)
+        if out is None:
+            continue
+        by_name[out].append(ref.name)
+        tensors.append(OutputTensor(out, ref, resolve_dtype(rules, ref)))
+    collisions = [f"{', '.join(srcs)} -> {out}" for out, srcs in by_name.items() if len(srcs) > 1]
+    if collisions:
+        raise PlanError(f"{len(collisions)} output names collide: {_listing(collisions, 5)}")
+    bad = [repr(n) for n in by_name if not n or n == "__metadata__"]
+    if bad:
+        raise PlanError(f"rules produce invalid tensor names: {_listing(bad)}")
+    if not tensors:
+        raise PlanError(f"the rules leave no tensor out of {len(checkpoint.tensors)}")
+    metadata = {**checkpoint.metadata}
+    metadata.setdefault("format", "pt")
+    tensors.sort(key=lambda t: t.name)
+    return Plan(tensors, metadata, source=checkpoint)

@@ -1,0 +1,148 @@
+"""Rename, filter and cast rules: parsed from the CLI or a TOML plan file, applied to names."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from streamck.dtypes import castable_dtype
+from streamck.errors import PlanError
+
+RENAMES = ("strip_prefix", "add_prefix", "rename")
+FILTERS = ("drop", "keep")
+KINDS = (*RENAMES, *FILTERS, "cast")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule as written: ``kind`` is one of KINDS, ``arg`` its CLI spelling."""
+
+    kind: str
+    arg: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PlanError(f"unknown rule {self.kind!r} (known: {', '.join(KINDS)})")
+        if self.kind == "rename":
+            self.regex  # noqa: B018  (compile now, so a bad pattern fails before any work)
+        if self.kind in FILTERS:
+            _check_glob(self.arg)
+        if self.kind == "cast":
+            self.cast  # noqa: B018
+
+    @cached_property
+    def regex(self) -> tuple[re.Pattern[str], str]:
+        pattern, sep, repl = self.arg.rpartition("=")
+        if not sep:
+            raise PlanError(f"--rename {self.arg!r}: expected REGEX=REPLACEMENT")
+        try:
+            compiled = re.compile(pattern)
+            compiled.sub(repl, "")  # validates group references in the replacement
+        except (re.error, IndexError) as e:
+            raise PlanError(f"--rename {self.arg!r}: {e}") from None
+        return compiled, repl
+
+    @cached_property
+    def cast(self) -> tuple[str, str]:
+        glob, sep, dtype = self.arg.rpartition("=")
+        if not sep or not glob:
+            raise PlanError(f"--cast {self.arg!r}: expected GLOB=DTYPE")
+        _check_glob(glob)
+        try:
+            return glob, castable_dtype(dtype)
+        except ValueError as e:
+            raise PlanError(f"--cast {self.arg!r}: {e}") from None
+
+
+def _check_glob(glob: str) -> None:
+    try:
+        re.compile(fnmatch.translate(glob))
+    except re.error as e:
+        raise PlanError(f"invalid glob {glob!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Rules:
+    """An ordered list of rules plus an optional default cast dtype."""
+
+    rules: tuple[Rule, ...] = ()
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", castable_dtype(self.dtype))
+            except ValueError as e:
+                raise PlanError(f"--dtype: {e}") from None
+
+    def __add__(self, other: Rules) -> Rules:
+        return Rules(self.rules + other.rules, other.dtype or self.dtype)
+
+    def output_name(self, name: str) -> str | None:
+        """The name ``name`` gets in the output, or None if a filter drops it."""
+        keeps = [r.arg for r in self.rules if r.kind == "keep"]
+        if keeps and not any(fnmatch.fnmatchcase(name, g) for g in keeps):
+            return None
+        if any(fnmatch.fnmatchcase(name, r.arg) for r in self.rules if r.kind == "drop"):
+            return None
+        out = name
+        for rule in self.rules:
+            if rule.kind == "strip_prefix" and out.startswith(rule.arg):
+                out = out[len(rule.arg) :]
+            elif rule.kind == "add_prefix":
+                out = rule.arg + out
+            elif rule.kind == "rename":
+                regex, repl = rule.regex
+                out = regex.sub(repl, out)
+        return out
+
+    def cast_for(self, name: str) -> str | None:
+        """The dtype source tensor ``name`` is cast to (last matching --cast, else --dtype)."""
+        for rule in reversed(self.rules):
+            if rule.kind == "cast":
+                glob, dtype = rule.cast
+                if fnmatch.fnmatchcase(name, glob):
+                    return dtype
+        return None
+
+    @property
+    def has_casts(self) -> bool:
+        return self.dtype is not None or any(r.kind == "cast" for r in self.rules)
+
+
+def load_rules(path: str | Path) -> Rules:
+    """Read a TOML plan file: ``rules = [{strip_prefix = "model."}, {drop = "*.inv_freq"}, ...]``
+    and an optional ``dtype = "bf16"``. Each rule table has exactly one key, whose
+    value is written as on the command line."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PlanError(f"cannot read plan file: {e.strerror}", path) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"not valid TOML: {e}", path) from None
+    unknown = set(doc) - {"rules", "dtype"}
+    if unknown:
+        raise PlanError(f"unknown top-level keys {sorted(unknown)} (known: rules, dtype)", path)
+    rules = []
+    for i, table in enumerate(doc.get("rules", [])):
+        if not (isinstance(table, dict) and len(table) == 1):
+            raise PlanError(f"rules[{i}] must be a table with exactly one key", path)
+        ((kind, arg),) = table.items()
+        if not isinstance(arg, str):
+            raise PlanError(f"rules[{i}].{kind} must be a string", path)
+        try:
+            rules.append(Rule(kind, arg))
+        except PlanError as e:
+            raise PlanError(f"rules[{i}]: {e}", path) from None
+    dtype = doc.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise PlanError("dtype must be a string", path)
+    try:
+        return Rules(tuple(rules), dtype)
+    except PlanError as e:
+        raise PlanError(str(e), path) from None

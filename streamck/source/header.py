@@ -1,0 +1,202 @@
+"""Strict reading of one safetensors header.
+
+The rules are the reference reader's (``safetensors`` 0.8): an 8-byte
+little-endian length, at most 100 MB of UTF-8 JSON that is an object, each
+entry ``{"dtype", "shape", "data_offsets"}`` (extra fields ignored), an
+optional ``__metadata__`` map of strings, and tensors that tile the data area
+exactly: no gap, no overlap, no trailing byte. One rule is stricter: a name
+given twice is refused, where the reference silently keeps the last one.
+Nothing here allocates more than the header's real size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamck.dtypes import BITS, nbytes
+from streamck.errors import CheckpointError
+
+MAX_HEADER = 100_000_000
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Where one tensor's bytes live: ``path[start:end]``, absolute offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: Path
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    tensors: list[TensorRef]  # in file order
+    metadata: dict[str, str]
+    data_start: int
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Invalid(f"key {dup!r} appears twice in one object")
+    return d
+
+
+def _no_constant(name: str) -> float:
+    raise _Invalid(f"{name} is not JSON")
+
+
+def _parse_int(text: str) -> int | float:
+    return -0.0 if text == "-0" else int(text)  # serde reads -0 as a float
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _Invalid(f"number {text} out of range")
+    return value
+
+
+def _has_surrogate(value: object) -> bool:
+    if isinstance(value, str):
+        return any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False
+
+
+def _decode_json(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Invalid(f"header is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        obj = json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+        )
+    except json.JSONDecodeError as e:
+        raise _Invalid(f"header is not valid JSON ({e.msg} at char {e.pos})") from None
+    except RecursionError:
+        raise _Invalid("header JSON is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise _Invalid(f"header is JSON {type(obj).__name__}, not an object")
+    if "\\u" in text and _has_surrogate(obj):
+        raise _Invalid("header has a lone UTF-16 surrogate escape")
+    return obj
+
+
+def _uint(value: object) -> bool:
+    return type(value) is int and 0 <= value < _U64
+
+
+def _entry(name: str, entry: object) -> tuple[str, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict):
+        raise _Invalid(f"tensor {name!r}: entry is not an object")
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in entry:
+            raise _Invalid(f"tensor {name!r}: missing field {field!r}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in BITS:
+        raise _Invalid(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_uint(d) for d in shape):
+        raise _Invalid(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_uint(o) for o in offsets)):
+        raise _Invalid(f"tensor {name!r}: data_offsets {offsets!r} is not two non-negative integers")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
+    """Validate the JSON header ``raw`` of a file whose data area holds ``data_size`` bytes.
+
+    Raises CheckpointError naming ``path`` and the first thing that is wrong.
+    """
+    data_start = 8 + len(raw)
+    try:
+        obj = _decode_json(raw)
+        metadata = obj.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        elif not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+            raise _Invalid("__metadata__ is not a map of strings to strings")
+        entries = sorted(((_entry(n, e), n) for n, e in obj.items()), key=lambda x: x[0][2:])
+        tensors, end = [], 0
+        for (dtype, shape, start, stop), name in entries:
+            if start != end or stop < start:
+                what = "overlaps the previous tensor" if start < end else "leaves a gap before it"
+                if stop < start:
+                    what = "has its offsets reversed"
+                raise _Invalid(f"tensor {name!r}: data_offsets [{start}, {stop}] {what}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel * BITS[dtype] >= _U64 * 8:
+                raise _Invalid(f"tensor {name!r}: shape {list(shape)} overflows")
+            size = nbytes(dtype, numel)
+            if size is None:
+                raise _Invalid(f"tensor {name!r}: {numel} elements of {dtype} are not a whole number of bytes")
+            if size != stop - start:
+                raise _Invalid(
+                    f"tensor {name!r}: shape {list(shape)} of {dtype} needs {size} bytes, "
+                    f"data_offsets span {stop - start}"
+                )
+            tensors.append(TensorRef(name, dtype, shape, path, data_start + start, data_start + stop))
+            end = stop
+        if end != data_size:
+            if end > data_size:
+                raise _Invalid(f"file is truncated: tensors need {end} data bytes, file has {data_size}")
+            raise _Invalid(f"{data_size - end} trailing bytes after the last tensor")
+    except _Invalid as e:
+        raise CheckpointError(str(e), path) from None
+    return Header(tensors, metadata, data_start)
+
+
+def read_header(path: Path) -> Header:
+    """Read and validate the header of the safetensors file at ``path``; never reads tensor data."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", path)
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER:
+                raise CheckpointError(f"header length {n} is above the {MAX_HEADER}-byte cap", path)
+            if 8 + n > size:
+                raise CheckpointError(f"header length {n} runs past the end of the {size}-byte file", path)
+            raw = f.read(n)
+    except IsADirectoryError:
+        raise CheckpointError("is a directory, expected a .safetensors file", path) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read: {e.strerror}", path) from None
+    return parse_header(raw, size - 8 - n, Path(path))

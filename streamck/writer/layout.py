@@ -1,0 +1,92 @@
+"""Where every output byte goes, computed before any is written: shards, headers, index."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+
+from streamck.dtypes import RANK
+from streamck.plan import OutputTensor, Plan
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One output file: its name, its complete header (length prefix and padding
+    included) and its tensors in write order."""
+
+    filename: str
+    header: bytes
+    tensors: list[OutputTensor]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+
+def write_order(tensors: list[OutputTensor]) -> list[OutputTensor]:
+    """The reference writer's order: dtype (enum order) descending, then name."""
+    return sorted(tensors, key=lambda t: (-RANK[t.dtype], t.name))
+
+
+def header_bytes(tensors: list[OutputTensor], metadata: dict[str, str], align: int = 8) -> bytes:
+    """The 8-byte length, compact JSON header and space padding for ``tensors`` in that order.
+
+    Padding makes ``8 + header length`` a multiple of ``align`` (itself a multiple
+    of 8), so the data area starts aligned; the reference pads to 8.
+    """
+    entries: dict[str, object] = {}
+    if metadata:
+        entries["__metadata__"] = dict(sorted(metadata.items()))
+    offset = 0
+    for t in tensors:
+        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % align)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _natural(name: str) -> list[object]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def split(tensors: list[OutputTensor], max_size: int) -> list[list[OutputTensor]]:
+    """Group tensors in natural name order into shards of at most ``max_size`` data bytes;
+    a tensor larger than that gets a shard of its own."""
+    groups: list[list[OutputTensor]] = [[]]
+    size = 0
+    for t in sorted(tensors, key=lambda t: _natural(t.name)):
+        if groups[-1] and size + t.nbytes > max_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return groups
+
+
+def plan_shards(plan: Plan, filename: str = SINGLE_NAME, max_size: int | None = None, align: int = 8) -> list[Shard]:
+    """Lay ``plan`` out as one file named ``filename``, or as numbered shards of at most
+    ``max_size`` data bytes each (one shard keeps the single-file name)."""
+    groups = split(plan.tensors, max_size) if max_size else [plan.tensors]
+    n = len(groups)
+    names = [filename] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    shards = []
+    for name, group in zip(names, groups, strict=True):
+        ordered = write_order(group)
+        shards.append(Shard(name, header_bytes(ordered, plan.metadata, align), ordered))
+    return shards
+
+
+def index_bytes(shards: list[Shard]) -> bytes:
+    """``model.safetensors.index.json`` as the Hugging Face tools write it."""
+    weight_map = {t.name: s.filename for s in shards for t in s.tensors}
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for s in shards for t in s.tensors)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
