@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from streamck.writer.atomic import Interrupted
 
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except StreamckError as e:
         print(f"streamck: error: {e}", file=sys.stderr)

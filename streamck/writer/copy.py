@@ -36,9 +36,11 @@ def read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
 class Copier:
     """Copies byte ranges from source fds to the current position of a destination fd."""
 
-    def __init__(self, chunk: int = CHUNK):
+    MODES = ("copy_file_range", "sendfile", "buffer")
+
+    def __init__(self, chunk: int = CHUNK, mode: str | None = None):
         self.chunk = chunk
-        self._mode = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile"
+        self._mode = mode or next(m for m in self.MODES if m == "buffer" or hasattr(os, m))
         self._buffer: bytearray | None = None
 
     def copy(

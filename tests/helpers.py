@@ -1,0 +1,76 @@
+"""Small checkpoints built in temp dirs, with the reference writer or byte by byte."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+
+def save(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata if metadata is not None else {"format": "pt"})
+    return path
+
+
+def save_sharded(directory: Path, tensors: dict[str, np.ndarray], n: int, index: bool = True) -> Path:
+    """Split ``tensors`` round-robin over ``n`` shards, with a weight_map index if ``index``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(n):
+        shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part = {k: tensors[k] for k in names[i::n]}
+        save(directory / shard, part)
+        weight_map.update(dict.fromkeys(part, shard))
+    if index:
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
+        )
+    return directory
+
+
+def raw_file(path: Path, header: dict | bytes, data: bytes = b"", length: int | None = None) -> Path:
+    """A file from a header (dict or raw bytes) and data, written by hand."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(raw) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + raw + data)
+    return path
+
+
+def llama_like(layers: int = 2, hidden: int = 8, vocab: int = 16, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    t = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab, hidden), dtype=np.float32),
+        "model.norm.weight": rng.standard_normal(hidden, dtype=np.float32).astype(np.float16),
+        "lm_head.weight": rng.standard_normal((vocab, hidden), dtype=np.float32),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = rng.standard_normal((hidden, hidden), dtype=np.float32)
+        t[p + "mlp.up_proj.weight"] = rng.standard_normal((2 * hidden, hidden), dtype=np.float32)
+        t[p + "input_layernorm.weight"] = rng.standard_normal(hidden, dtype=np.float32)
+        t[p + "self_attn.rotary_emb.inv_freq"] = rng.standard_normal(hidden // 2, dtype=np.float32)
+        t[p + "step"] = np.arange(3, dtype=np.int64)
+    return t
+
+
+def read_all(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a file or sharded directory, through the reference reader."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    out = {}
+    for f in files:
+        with safe_open(str(f), "np") as r:
+            for k in r.keys():
+                assert k not in out, k
+                out[k] = r.get_tensor(k)
+    return out
+
+
+def metadata_of(path: Path) -> dict[str, str] | None:
+    with safe_open(str(path), "np") as r:
+        return r.metadata()

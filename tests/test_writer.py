@@ -1,0 +1,205 @@
+"""The writer: byte identity with the reference, sharding, alignment, atomicity."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers import llama_like, metadata_of, raw_file, read_all, save, save_sharded
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from streamck import OutputError, Rule, Rules, compile_plan, open_checkpoint, rewrite
+from streamck.writer import parse_size
+
+STRIP = Rules((Rule("strip_prefix", "model."),))
+
+
+def run(src, out, rules=None, **kw):
+    return rewrite(compile_plan(open_checkpoint(src), rules), out, **kw)
+
+
+def test_identical_to_reference_writer(tmp_path):
+    tensors = llama_like()
+    src = save(tmp_path / "src.safetensors", tensors)
+    run(src, tmp_path / "out.safetensors", STRIP)
+    expected = {k.removeprefix("model."): v for k, v in tensors.items()}
+    save_file(expected, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_every_tensor_matches_source_through_reference_reader(tmp_path):
+    tensors = llama_like(layers=3)
+    save_sharded(tmp_path / "src", tensors, 3)
+    run(tmp_path / "src", tmp_path / "out", Rules((Rule("drop", "*inv_freq"),)))
+    got = read_all(tmp_path / "out" / "model.safetensors")
+    assert sorted(got) == sorted(k for k in tensors if not k.endswith("inv_freq"))
+    for k, v in got.items():
+        assert v.dtype == tensors[k].dtype and np.array_equal(v, tensors[k])
+
+
+def test_metadata_carried_and_format_added(tmp_path):
+    src = save(tmp_path / "src.safetensors", {"a": np.zeros(2)}, metadata={"step": "7"})
+    run(src, tmp_path / "out.safetensors")
+    assert metadata_of(tmp_path / "out.safetensors") == {"step": "7", "format": "pt"}
+
+
+def test_sharded_output_with_index(tmp_path):
+    tensors = llama_like(layers=4)
+    src = save(tmp_path / "src.safetensors", tensors)
+    result = run(src, tmp_path / "out", max_shard_size=600)
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in tensors.values()) == result.total_size
+    for name, shard in index["weight_map"].items():
+        with safe_open(str(out / shard), "np") as f:
+            assert np.array_equal(f.get_tensor(name), tensors[name])
+    for shard in shards:  # each shard within the limit, unless one tensor alone exceeds it
+        with safe_open(str(out / shard), "np") as f:
+            sizes = [f.get_tensor(k).nbytes for k in f.keys()]
+        assert sum(sizes) <= 600 or len(sizes) == 1
+
+
+def test_tensor_larger_than_shard_gets_its_own(tmp_path):
+    src = save(
+        tmp_path / "s.safetensors",
+        {"a": np.zeros(10, np.uint8), "b": np.zeros(1000, np.uint8), "c": np.zeros(10, np.uint8)},
+    )
+    run(src, tmp_path / "out", max_shard_size=100)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["b"] != index["a"] and index["b"] != index["c"]
+    assert len(set(index.values())) == 3
+
+
+def test_two_runs_byte_identical_sharded(tmp_path):
+    save_sharded(tmp_path / "src", llama_like(), 2)
+    for name in ("o1", "o2"):
+        run(tmp_path / "src", tmp_path / name, STRIP, max_shard_size=500)
+    files = sorted(p.name for p in (tmp_path / "o1").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "o2").iterdir())
+    for f in files:
+        assert (tmp_path / "o1" / f).read_bytes() == (tmp_path / "o2" / f).read_bytes()
+
+
+@pytest.mark.parametrize("align", [8, 64, 4096])
+def test_header_align(tmp_path, align):
+    tensors = llama_like()
+    src = save(tmp_path / "s.safetensors", tensors)
+    run(src, tmp_path / "o.safetensors", header_align=align)
+    data = (tmp_path / "o.safetensors").read_bytes()
+    assert (8 + int.from_bytes(data[:8], "little")) % align == 0
+    got = read_all(tmp_path / "o.safetensors")
+    assert all(np.array_equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_every_reference_dtype_is_carried(tmp_path):
+    # Bytes for dtypes numpy lacks (BF16, F8, F4, F6, C64) are written by hand.
+    from streamck.dtypes import BITS
+
+    header, data, offset = {}, b"", 0
+    for i, (dtype, bits) in enumerate(BITS.items()):
+        numel = 8
+        size = numel * bits // 8
+        header[f"t{i}_{dtype}"] = {"dtype": dtype, "shape": [2, 4], "data_offsets": [offset, offset + size]}
+        data += bytes((i + j) % 256 for j in range(size))
+        offset += size
+    src = raw_file(tmp_path / "s.safetensors", header, data)
+    run(src, tmp_path / "o.safetensors")
+    with safe_open(str(tmp_path / "o.safetensors"), "np") as f:
+        assert sorted(f.keys()) == sorted(header)
+    ckpt, out = open_checkpoint(src), open_checkpoint(tmp_path / "o.safetensors")
+    for name in header:
+        assert out.tensors[name].dtype == ckpt.tensors[name].dtype
+        assert bytes(out.read(name)) == bytes(ckpt.read(name))
+
+
+def test_existing_output_needs_force(tmp_path):
+    src = save(tmp_path / "s.safetensors", {"a": np.ones(2)})
+    (tmp_path / "o.safetensors").write_text("old")
+    with pytest.raises(OutputError, match="already exists"):
+        run(src, tmp_path / "o.safetensors")
+    assert (tmp_path / "o.safetensors").read_text() == "old"
+    run(src, tmp_path / "o.safetensors", force=True)
+    assert np.array_equal(read_all(tmp_path / "o.safetensors")["a"], np.ones(2))
+
+
+def test_force_replaces_a_directory_whole(tmp_path):
+    save_sharded(tmp_path / "src", llama_like(), 2)
+    run(tmp_path / "src", tmp_path / "out", max_shard_size=300)
+    run(tmp_path / "src", tmp_path / "out", force=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if "streamck" in p.name]
+
+
+def test_empty_existing_directory_is_fine(tmp_path):
+    src = save(tmp_path / "s.safetensors", {"a": np.ones(2)})
+    (tmp_path / "out").mkdir()
+    run(src, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("target", ["same", "symlink", "hardlink", "parent"])
+def test_never_writes_over_the_source(tmp_path, target):
+    src = save(tmp_path / "ck" / "s.safetensors", {"a": np.ones(2)})
+    before = src.read_bytes()
+    out = {
+        "same": src,
+        "symlink": tmp_path / "l.safetensors",
+        "hardlink": tmp_path / "h.safetensors",
+        "parent": tmp_path / "ck",
+    }[target]
+    if target == "symlink":
+        out.symlink_to(src)
+    if target == "hardlink":
+        out.hardlink_to(src)
+    with pytest.raises(OutputError, match="source"):
+        run(src, out, force=True)
+    assert src.read_bytes() == before
+
+
+def test_no_temporary_left_after_success(tmp_path):
+    src = save(tmp_path / "s.safetensors", {"a": np.ones(2)})
+    run(src, tmp_path / "o.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.safetensors", "s.safetensors"]
+
+
+def test_source_changed_during_run_is_detected(tmp_path):
+    src = save(tmp_path / "s.safetensors", {"a": np.ones(2)})
+    plan = compile_plan(open_checkpoint(src))
+    save(src, {"a": np.zeros(2)})  # rewritten between indexing and writing: new inode/mtime
+    with pytest.raises(Exception, match="changed"):
+        rewrite(plan, tmp_path / "o.safetensors")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("mode", ["copy_file_range", "sendfile", "buffer"])
+def test_every_copy_mode_with_odd_chunks(tmp_path, mode):
+    from streamck.writer.copy import Copier
+
+    data = bytes(range(256)) * 5
+    (tmp_path / "src").write_bytes(data)
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        seen = []
+        Copier(chunk=7, mode=mode).copy(src.fileno(), 3, 1000, dst.fileno(), "src", seen.append)
+    assert (tmp_path / "dst").read_bytes() == data[3:1003]
+    assert sum(seen) == 1000 and max(seen) <= 7
+
+
+def test_truncated_source_is_an_error(tmp_path):
+    from streamck import CheckpointError
+    from streamck.writer.copy import Copier
+
+    (tmp_path / "src").write_bytes(b"abc")
+    for mode in Copier.MODES:
+        with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+            with pytest.raises(CheckpointError, match="ended before"):
+                Copier(chunk=7, mode=mode).copy(src.fileno(), 0, 10, dst.fileno(), "src")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("5GB", 5 * 10**9), ("500MiB", 500 << 20), ("1024", 1024), ("1.5kb", 1500)]
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
