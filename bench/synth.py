@@ -1,0 +1,113 @@
+"""Build a synthetic Llama-shaped sharded safetensors checkpoint, shard by shard.
+
+Written by hand from the format (8-byte length, JSON header, data), not with
+streamck, so the benchmark's input does not depend on the code it measures.
+Memory stays at one 16 MiB block of random bytes, reused.
+
+    python bench/synth.py DIR --size 4GiB --embed 1GiB --dtype F32 --shard 1GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ITEM = {"F32": 4, "BF16": 2, "F16": 2}
+BLOCK = 16 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    t = text.upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * factor)
+    return int(t)
+
+
+def llama_tensors(size: int, embed: int, dtype: str) -> list[tuple[str, list[int]]]:
+    """Names and shapes: one [V, H] embedding of about ``embed`` bytes, then layers until ``size``."""
+    item = ITEM[dtype]
+    hidden = 2048 if size >= 1 << 30 else 256
+    inter = hidden * 11 // 4
+    vocab = max(1, embed // (hidden * item))
+    tensors = [("model.embed_tokens.weight", [vocab, hidden]), ("model.norm.weight", [hidden])]
+    total = (vocab + 1) * hidden * item
+    layer = [("self_attn.q_proj.weight", [hidden, hidden]), ("self_attn.k_proj.weight", [hidden // 4, hidden]),
+             ("self_attn.v_proj.weight", [hidden // 4, hidden]), ("self_attn.o_proj.weight", [hidden, hidden]),
+             ("mlp.gate_proj.weight", [inter, hidden]), ("mlp.up_proj.weight", [inter, hidden]),
+             ("mlp.down_proj.weight", [hidden, inter]), ("input_layernorm.weight", [hidden]),
+             ("post_attention_layernorm.weight", [hidden]), ("self_attn.rotary_emb.inv_freq", [hidden // 32])]
+    per_layer = sum(int(np.prod(s)) for _, s in layer) * item
+    for i in range(max(1, (size - total) // per_layer)):
+        tensors += [(f"model.layers.{i}.{n}", s) for n, s in layer]
+    return tensors
+
+
+def write_shard(path: Path, entries: list[tuple[str, list[int]]], dtype: str, block: bytes) -> int:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in entries:
+        n = int(np.prod(shape)) * ITEM[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        left = offset
+        while left:
+            f.write(block[: min(left, len(block))])
+            left -= min(left, len(block))
+    return offset
+
+
+def make_checkpoint(directory: Path, size: int, embed: int, dtype: str = "F32", shard: int = 1 << 30) -> Path:
+    """Write the checkpoint into ``directory`` (created) with a weight_map index."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = llama_tensors(size, embed, dtype)
+    groups: list[list[tuple[str, list[int]]]] = [[]]
+    used = 0
+    for name, shape in tensors:
+        n = int(np.prod(shape)) * ITEM[dtype]
+        if groups[-1] and used + n > shard:
+            groups.append([])
+            used = 0
+        groups[-1].append((name, shape))
+        used += n
+    # Finite random values, so casts do real work and no page is all zeros.
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal(BLOCK // 4, dtype=np.float32)
+    if dtype != "F32":
+        block = block.astype(np.float16)  # any 2-byte pattern of finite values will do
+    raw = block.tobytes()
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        total += write_shard(directory / name, group, dtype, raw)
+        weight_map.update(dict.fromkeys((n for n, _ in group), name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    os.sync()
+    return directory
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", type=Path)
+    p.add_argument("--size", default="4GiB")
+    p.add_argument("--embed", default="1GiB")
+    p.add_argument("--dtype", default="F32", choices=sorted(ITEM))
+    p.add_argument("--shard", default="1GiB")
+    a = p.parse_args()
+    make_checkpoint(a.dir, parse_size(a.size), parse_size(a.embed), a.dtype, parse_size(a.shard))
+    print(f"wrote {a.dir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
