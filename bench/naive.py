@@ -1,6 +1,6 @@
 """The route streamck replaces: load every shard whole, edit in memory, save, fsync.
 
-    python bench/naive.py SRC_DIR OUT_DIR [--dtype bf16]
+python bench/naive.py SRC_DIR OUT_DIR [--dtype bf16]
 """
 
 import os

@@ -39,13 +39,20 @@ def llama_tensors(size: int, embed: int, dtype: str) -> list[tuple[str, list[int
     vocab = max(1, embed // (hidden * item))
     tensors = [("model.embed_tokens.weight", [vocab, hidden]), ("model.norm.weight", [hidden])]
     total = (vocab + 1) * hidden * item
-    layer = [("self_attn.q_proj.weight", [hidden, hidden]), ("self_attn.k_proj.weight", [hidden // 4, hidden]),
-             ("self_attn.v_proj.weight", [hidden // 4, hidden]), ("self_attn.o_proj.weight", [hidden, hidden]),
-             ("mlp.gate_proj.weight", [inter, hidden]), ("mlp.up_proj.weight", [inter, hidden]),
-             ("mlp.down_proj.weight", [hidden, inter]), ("input_layernorm.weight", [hidden]),
-             ("post_attention_layernorm.weight", [hidden]), ("self_attn.rotary_emb.inv_freq", [hidden // 32])]
+    layer = [
+        ("self_attn.q_proj.weight", [hidden, hidden]),
+        ("self_attn.k_proj.weight", [hidden // 4, hidden]),
+        ("self_attn.v_proj.weight", [hidden // 4, hidden]),
+        ("self_attn.o_proj.weight", [hidden, hidden]),
+        ("mlp.gate_proj.weight", [inter, hidden]),
+        ("mlp.up_proj.weight", [inter, hidden]),
+        ("mlp.down_proj.weight", [hidden, inter]),
+        ("input_layernorm.weight", [hidden]),
+        ("post_attention_layernorm.weight", [hidden]),
+        ("self_attn.rotary_emb.inv_freq", [hidden // 32]),
+    ]
     per_layer = sum(int(np.prod(s)) for _, s in layer) * item
-    for i in range(max(1, (size - total) // per_layer)):
+    for i in range(max(1, -(-(size - total) // per_layer))):  # round up: at least `size`
         tensors += [(f"model.layers.{i}.{n}", s) for n, s in layer]
     return tensors
 

@@ -9,7 +9,7 @@ Data flows source → plan → writer::
 
 from streamck.errors import CheckpointError, OutputError, PlanError, StreamckError
 from streamck.manifest import checkpoint_manifest, plan_manifest
-from streamck.plan import OutputTensor, Plan, Rule, Rules, compile_plan, load_rules
+from streamck.plan import OutputTensor, Plan, Rule, Rules, compile_plan, eagle4_plan, export_eagle4_draft, load_rules
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
 from streamck.writer import WriteResult, rewrite
 
@@ -29,6 +29,8 @@ __all__ = [
     "WriteResult",
     "checkpoint_manifest",
     "compile_plan",
+    "eagle4_plan",
+    "export_eagle4_draft",
     "load_rules",
     "open_checkpoint",
     "plan_manifest",

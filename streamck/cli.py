@@ -8,7 +8,7 @@ import sys
 
 from streamck import manifest
 from streamck.errors import StreamckError
-from streamck.plan import Rule, Rules, compile_plan, load_rules
+from streamck.plan import BUILTIN_PLANS, Rule, Rules, compile_plan, load_rules
 from streamck.source import open_checkpoint
 from streamck.writer import parse_size, rewrite
 
@@ -56,12 +56,18 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rules(args: argparse.Namespace) -> Rules:
+def _compile(args: argparse.Namespace):
+    """The plan for ``rewrite``: a built-in one by name, or rules from a file and the command line."""
+    cli_rules = Rules(tuple(args.rules or ()), args.dtype)
+    if args.plan in BUILTIN_PLANS:
+        return BUILTIN_PLANS[args.plan](args.src, cli_rules)
     base = load_rules(args.plan) if args.plan else Rules()
-    return base + Rules(tuple(args.rules or ()), args.dtype)
+    return compile_plan(open_checkpoint(args.src), base + cli_rules)
 
 
 def _print_plan(plan) -> None:
+    for line in plan.summary:
+        print(line)
     rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
     for t in plan.tensors:
         dtype = f"{t.source.dtype}->{t.dtype}" if t.is_cast else t.dtype
@@ -73,8 +79,7 @@ def _print_plan(plan) -> None:
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.src)
-    plan = compile_plan(ckpt, _rules(args))
+    plan = _compile(args)
     if args.dry_run:
         if args.json:
             sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
@@ -134,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cast matching floating tensors; wins over --dtype, last match wins",
     )
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
-    rules.add_argument("--plan", help="a TOML plan file (its rules come before the command line's)")
+    rules.add_argument("--plan", help="a built-in plan (eagle4) or a TOML plan file (its rules come first)")
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument("--json", action="store_true", help="with --dry-run: print the output manifest")
     rw.add_argument("--max-shard-size", metavar="SIZE", help="split into shards (5GB, 500MiB)")

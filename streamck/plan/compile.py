@@ -34,12 +34,18 @@ class OutputTensor:
 
 @dataclass
 class Plan:
-    """Everything a rewrite writes: tensors, header metadata, and small files beside them."""
+    """Everything a rewrite writes: tensors, header metadata, and small files beside them.
+
+    ``summary`` holds lines a dry run prints above the tensor table; ``single_file``
+    forbids sharding (a plan whose consumer loads exactly one model.safetensors).
+    """
 
     tensors: list[OutputTensor]
     metadata: dict[str, str]
     files: dict[str, bytes] = field(default_factory=dict)
     source: Checkpoint | None = None
+    summary: list[str] = field(default_factory=list)
+    single_file: bool = False
 
     @property
     def total_size(self) -> int:

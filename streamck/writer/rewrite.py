@@ -162,6 +162,8 @@ def rewrite(
     if header_align < 8 or header_align % 8:
         raise StreamckError(f"--header-align {header_align}: must be a positive multiple of 8")
     single = is_file_target(out)
+    if plan.single_file and max_shard_size is not None:
+        raise OutputError("this plan writes exactly one model.safetensors; drop --max-shard-size", out)
     if single and max_shard_size is not None:
         raise OutputError("--max-shard-size needs a directory output, not a .safetensors file", out)
     if single and plan.files:

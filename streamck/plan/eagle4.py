@@ -1,0 +1,247 @@
+"""``--plan eagle4``: a trained EAGLE-4 draft in the ``LlamaForCausalLMEagle4`` serving layout.
+
+The contract is ``shared/eagle4-layout.md``; its tables live here as data and
+nothing else in this module knows a key name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from streamck.errors import PlanError
+from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
+from streamck.plan.rules import Rules
+from streamck.source import open_checkpoint
+
+ARCHITECTURE = "LlamaForCausalLMEagle4"
+
+# Serving config: these keys are set, these are copied when present, nothing else survives.
+SET_CONFIG = {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1}
+COPIED_CONFIG = (
+    "attention_bias", "attention_dropout", "bos_token_id", "eagle_config", "efficient_lm_head_candidates",
+    "efficient_lm_head_rank", "eos_token_id", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+    "max_position_embeddings", "mlp_bias", "num_attention_heads", "num_key_value_heads", "pad_token_id",
+    "rms_norm_eps", "rope_scaling", "rope_theta", "sliding_window", "target_hidden_size", "tie_word_embeddings",
+    "torch_dtype", "vocab_size",
+)  # fmt: skip
+REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                  "efficient_lm_head_rank")  # fmt: skip
+OPTIONAL_SIZES = ("head_dim", "target_hidden_size")
+AUX_LAYERS = ("eagle_config", "eagle_aux_hidden_state_layer_ids")
+REFUSED_FLAGS = ("parallel_drafting", "fc_norm")  # true at top level or in eagle_config: not built by EAGLE-4
+
+# Shape symbols and the config keys behind each, for error messages.
+SYMBOLS = {
+    "H": "hidden_size", "T": "target_hidden_size (default hidden_size)",
+    "A": "len(eagle_config.eagle_aux_hidden_state_layer_ids)", "nh": "num_attention_heads",
+    "nkv": "num_key_value_heads", "d": "head_dim (default hidden_size / num_attention_heads)",
+    "I": "intermediate_size", "V": "vocab_size", "R": "efficient_lm_head_rank",
+}  # fmt: skip
+
+# (serving key, training key, shape as products of symbols)
+TENSORS = (
+    ("fc.weight", "model.fc.weight", ("H", "A*T")),
+    ("layers.0.hidden_norm.weight", "model.layers.0.hidden_norm.weight", ("H",)),
+    ("layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight", ("H",)),
+    ("layers.0.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", ("H",)),
+    ("layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", ("nh*d", "2*H")),
+    ("layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight", ("nkv*d", "2*H")),
+    ("layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.v_proj.weight", ("nkv*d", "2*H")),
+    ("layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight", ("H", "nh*d")),
+    ("layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight", ("I", "H")),
+    ("layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight", ("I", "H")),
+    ("layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight", ("H", "I")),
+    ("norm.weight", "model.norm.weight", ("H",)),
+    ("embed_tokens.weight", "model.embed_tokens.weight", ("V", "H")),
+    ("lm_head.weight", "lm_head.weight", ("V", "H")),
+    ("efficient_lm_head_down_proj.weight", "efficient_lm_head_down_proj.weight", ("R", "H")),
+    ("efficient_lm_head.weight", "efficient_lm_head.weight", ("V", "R")),
+)
+# Present exactly when their config flag is true.
+BIASES = {
+    "attention_bias": (
+        ("layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias", ("nh*d",)),
+        ("layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.k_proj.bias", ("nkv*d",)),
+        ("layers.0.self_attn.v_proj.bias", "model.layers.0.self_attn.v_proj.bias", ("nkv*d",)),
+        ("layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.o_proj.bias", ("H",)),
+    ),
+    "mlp_bias": (
+        ("layers.0.mlp.gate_proj.bias", "model.layers.0.mlp.gate_proj.bias", ("I",)),
+        ("layers.0.mlp.up_proj.bias", "model.layers.0.mlp.up_proj.bias", ("I",)),
+        ("layers.0.mlp.down_proj.bias", "model.layers.0.mlp.down_proj.bias", ("H",)),
+    ),
+}
+SECOND_LAYER_PREFIX = "model.layers."
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+TORCH_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def find_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The given directory if it holds config.json, else its ``model/consolidated``."""
+    path = Path(path)
+    for candidate in (path, path / "model" / "consolidated"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise PlanError(f"no config.json in {path} nor in {path / 'model' / 'consolidated'}")
+
+
+def _load_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PlanError(f"cannot read: {e.strerror}", path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"not valid JSON: {e}", path) from None
+    if not isinstance(config, dict):
+        raise PlanError("is not a JSON object", path)
+    return config
+
+
+def _positive_int(value: object) -> bool:
+    return type(value) is int and value > 0
+
+
+def structure(config: dict, where: Path) -> dict[str, int]:
+    """Check the training config and return the shape symbols (H, T, A, nh, nkv, d, I, V, R).
+
+    Raises PlanError naming the first missing, mistyped or unsupported key.
+    """
+
+    def refuse(message: str) -> PlanError:
+        return PlanError(message, where)
+
+    for key in REQUIRED_SIZES:
+        if key not in config:
+            raise refuse(f"required key {key!r} is missing")
+        if not _positive_int(config[key]):
+            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
+    for key in OPTIONAL_SIZES:
+        if config.get(key) is not None and not _positive_int(config[key]):
+            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
+    eps = config.get("rms_norm_eps")
+    if "rms_norm_eps" not in config:
+        raise refuse("required key 'rms_norm_eps' is missing")
+    if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
+        raise refuse(f"rms_norm_eps must be a positive number, not {eps!r}")
+    eagle = config.get(AUX_LAYERS[0])
+    aux = eagle.get(AUX_LAYERS[1]) if isinstance(eagle, dict) else None
+    if not isinstance(eagle, dict) or AUX_LAYERS[1] not in eagle:
+        raise refuse(f"required key '{'.'.join(AUX_LAYERS)}' is missing")
+    if not (isinstance(aux, list) and aux and all(type(i) is int for i in aux)):
+        raise refuse(f"{'.'.join(AUX_LAYERS)} must be a non-empty list of integers, not {aux!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if flag in config and type(config[flag]) is not bool:
+            raise refuse(f"{flag} must be true or false, not {config[flag]!r}")
+    draft_vocab = config.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != config["vocab_size"]:
+        raise refuse(f"draft_vocab_size {draft_vocab!r} differs from vocab_size {config['vocab_size']}: "
+                     "EAGLE-4 has no vocabulary remap")  # fmt: skip
+    for scope, table in (("", config), ("eagle_config.", eagle)):
+        for flag in REFUSED_FLAGS:
+            if table.get(flag) is True:
+                raise refuse(f"{scope}{flag}: true is a structure the EAGLE-4 loaders do not build")
+    H, nh = config["hidden_size"], config["num_attention_heads"]
+    d = config.get("head_dim")
+    if d is None:
+        if H % nh:
+            raise refuse(f"hidden_size {H} is not divisible by num_attention_heads {nh}; set head_dim")
+        d = H // nh
+    return {"H": H, "T": config.get("target_hidden_size") or H, "A": len(aux), "nh": nh,
+            "nkv": config["num_key_value_heads"], "d": d, "I": config["intermediate_size"],
+            "V": config["vocab_size"], "R": config["efficient_lm_head_rank"]}  # fmt: skip
+
+
+def table(config: dict) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The contract's tensor rows for this config, biases included where their flag is true."""
+    rows = list(TENSORS)
+    for flag, extra in BIASES.items():
+        if config.get(flag) is True:
+            rows += extra
+    return rows
+
+
+def _evaluate(expr: str, symbols: dict[str, int]) -> int:
+    return math.prod(int(f) if f.isdigit() else symbols[f] for f in expr.split("*"))
+
+
+def _behind(exprs: tuple[str, ...]) -> str:
+    used = dict.fromkeys(f for e in exprs for f in e.split("*") if not f.isdigit())
+    return ", ".join(f"{s} = {SYMBOLS[s]}" for s in used)
+
+
+def serving_config(config: dict, dtype: str | None = None) -> dict:
+    """The serving config.json: the copied keys present in ``config`` plus the set ones.
+    A cast to ``dtype`` is reflected in ``torch_dtype`` when that key is present."""
+    out = {k: config[k] for k in COPIED_CONFIG if k in config}
+    out.update(SET_CONFIG)
+    if dtype is not None and "torch_dtype" in out:
+        out["torch_dtype"] = TORCH_DTYPE_NAMES[dtype]
+    return dict(sorted(out.items()))
+
+
+def _listing(label: str, names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit]) + (f", … ({len(names)} in all)" if len(names) > limit else "")
+    return f"{len(names)} {label}: {shown}"
+
+
+def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
+    """Compile the EAGLE-4 export of the training checkpoint at ``path`` (a step directory
+    or its ``model/consolidated``). Only cast rules may accompany it. Every check of
+    the contract runs here, before anything is written."""
+    rules = rules or Rules()
+    others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
+    if others:
+        raise PlanError(f"--plan eagle4 fixes every name; it cannot be combined with {', '.join(others)} rules")
+    directory = find_checkpoint_dir(path)
+    config = _load_config(directory)
+    symbols = structure(config, directory / "config.json")
+    ckpt = open_checkpoint(directory)
+    second = sorted(n for n in ckpt.tensors if n.startswith(SECOND_LAYER_PREFIX)
+                    and not n.startswith(SECOND_LAYER_PREFIX + "0."))  # fmt: skip
+    if second:
+        raise PlanError(f"{second[0]} belongs to a second draft layer; EAGLE-4 drafts have exactly one"
+                        + (f" ({len(second)} such tensors)" if len(second) > 1 else ""), directory)  # fmt: skip
+    rows = table(config)
+    expected = {train: (serve, shape) for serve, train, shape in rows}
+    missing = sorted(set(expected) - set(ckpt.tensors))
+    unexpected = sorted(set(ckpt.tensors) - set(expected))
+    if missing or unexpected:
+        parts = [_listing(label, names) for label, names in (("missing", missing), ("unexpected", unexpected))
+                 if names]  # fmt: skip
+        raise PlanError("training tensors do not match the EAGLE-4 table: " + "; ".join(parts), directory)
+    tensors = []
+    for serve, train, exprs in rows:
+        ref = ckpt.tensors[train]
+        want = tuple(_evaluate(e, symbols) for e in exprs)
+        if ref.shape != want:
+            raise PlanError(f"{train} has shape {list(ref.shape)}, expected {list(want)} = "
+                            f"[{', '.join(exprs)}] from {_behind(exprs)}", directory)  # fmt: skip
+        if ref.dtype not in FLOAT_DTYPES:
+            raise PlanError(f"{train} is {ref.dtype}; EAGLE-4 tensors are F32, BF16 or F16", directory)
+        tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))
+    tensors.sort(key=lambda t: t.name)
+    body = json.dumps(serving_config(config, rules.dtype), indent=2, sort_keys=True) + "\n"
+    summary = [
+        "EAGLE-4 draft: " + ", ".join(f"{k}={symbols[k]}" for k in ("H", "T", "A", "nh", "nkv", "d", "I", "V", "R")),
+        f"checkpoint: {directory}",
+        "serving config.json:",
+        *("  " + line for line in body.splitlines()),
+    ]
+    return Plan(tensors, {"format": "pt"}, {"config.json": body.encode()}, source=ckpt, summary=summary,
+                single_file=True)  # fmt: skip
+
+
+def export_eagle4_draft(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
+                        dtype: str | None = None, force: bool = False) -> Path:  # fmt: skip
+    """Export the EAGLE-4 draft at ``checkpoint_dir`` into ``output_dir`` (``config.json`` and
+    ``model.safetensors``), casting floating tensors to ``dtype`` if given. Returns
+    ``output_dir``. Raises PlanError or OutputError before writing anything."""
+    from streamck.writer import rewrite
+
+    output_dir = Path(output_dir)
+    rewrite(eagle4_plan(checkpoint_dir, Rules(dtype=dtype)), output_dir, force=force)
+    return output_dir
