@@ -201,7 +201,7 @@ def test_output_equal_to_checkpoint_dir_refused(tmp_path, how):
 
 
 def test_cli_export_and_dry_run(tmp_path):
-    src, _, tensors = make_draft(tmp_path / "step", consolidated=True)
+    src, _, _ = make_draft(tmp_path / "step", consolidated=True)
     run = lambda *a: subprocess.run(
         [sys.executable, "-m", "streamck", "rewrite", str(src), *a],  # noqa: E731
         capture_output=True,
