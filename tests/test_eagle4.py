@@ -202,11 +202,14 @@ def test_output_equal_to_checkpoint_dir_refused(tmp_path, how):
 
 def test_cli_export_and_dry_run(tmp_path):
     src, _, _ = make_draft(tmp_path / "step", consolidated=True)
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "streamck", "rewrite", str(src), *a],  # noqa: E731
-        capture_output=True,
-        text=True,
-    )
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "streamck", "rewrite", str(src), *a],
+            capture_output=True,
+            text=True,
+        )
+
     dry = run("-o", str(tmp_path / "x"), "--plan", "eagle4", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "EAGLE-4 draft: H=16, T=16, A=3, nh=4, nkv=4, d=4, I=40, V=50, R=6" in dry.stdout
