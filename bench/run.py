@@ -18,6 +18,7 @@ import re
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,6 +98,43 @@ def case_rewrite(a: argparse.Namespace, tmp: Path) -> str:
         + f"\n\nstreamck peak RSS as the checkpoint grows: {mib(s_rss)} at "
         f"{size // 4 / 2**30:.2f} GiB (largest tensor {embed // 4 / 2**30:.2f} GiB) vs "
         f"{mib(runs['streamck rewrite'].peak)} at {size / 2**30:.2f} GiB."
+    )
+
+
+@case
+def case_cast(a: argparse.Namespace, tmp: Path) -> str:
+    """F32 -> BF16 cast: cp of the source, in-memory torch copy_, load/.to/save, streamck --dtype bf16."""
+    size, embed = parse_size(a.size), parse_size(a.embed)
+    big = make_checkpoint(tmp / "big", size, embed)
+    small = make_checkpoint(tmp / "small", size // 4, embed // 4)
+    data = sum(p.stat().st_size for p in big.glob("*.safetensors"))
+    out = tmp / "out"
+    rw = lambda src: (
+        lambda o: streamck("rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--dtype", "bf16")
+    )  # noqa: E731
+    contenders = {
+        "cp -r + sync (source)": cp_fsync(big),
+        "load_file/.to(bf16)/save_file": lambda o: [PY, str(HERE / "naive.py"), str(big), str(o), "--dtype", "bf16"],
+        "streamck --dtype bf16": rw(big),
+    }
+    runs = contend(contenders, out, a.reps, a.settle)
+    inmem = []
+    for _ in range(a.reps):
+        time.sleep(a.settle)
+        proc = subprocess.run([PY, str(HERE / "inmem_cast.py"), str(data)], capture_output=True, text=True, check=True)
+        inmem.append(float(proc.stdout))
+    _, s_rss = run_child(rw(small)(out), a.settle)
+    shutil.rmtree(out)
+    base = runs["cp -r + sync (source)"].wall
+    return (
+        f"Checkpoint: {data / 2**30:.2f} GiB F32 in {len(list(big.glob('*.safetensors')))} shards, largest "
+        f"tensor {embed / 2**30:.2f} GiB; output BF16. {a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "cp -r + sync (source)", data)
+        + f"\n\nIn-memory torch `copy_` F32→BF16 of the same {data / 2**30:.2f} GiB (compute ceiling, no I/O): "
+        f"median {statistics.median(inmem):.2f} s = {statistics.median(inmem) / base:.2f} × cp, "
+        f"{data / statistics.median(inmem) / 1e9:.2f} GB/s.\n\n"
+        f"streamck peak RSS: {mib(s_rss)} at {size // 4 / 2**30:.2f} GiB (largest tensor "
+        f"{embed // 4 / 2**30:.2f} GiB) vs {mib(runs['streamck --dtype bf16'].peak)} at {size / 2**30:.2f} GiB."
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -100,7 +101,11 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
-    if not args.quiet:
+    if args.json:
+        report = {"files": [str(f) for f in result.files], "overflow": dict(sorted(result.overflow.items())),
+                  "tensors": len(plan.tensors), "total_size": result.total_size}  # fmt: skip
+        print(json.dumps(report, indent=2, sort_keys=True))
+    elif not args.quiet:
         print(f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}", file=sys.stderr)
     return 0
 
@@ -141,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
     rules.add_argument("--plan", help="a built-in plan (eagle4) or a TOML plan file (its rules come first)")
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
-    rw.add_argument("--json", action="store_true", help="with --dry-run: print the output manifest")
+    rw.add_argument("--json", action="store_true",
+                    help="print the output manifest (with --dry-run) or a JSON report of the run")
     rw.add_argument("--max-shard-size", metavar="SIZE", help="split into shards (5GB, 500MiB)")
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")

@@ -9,7 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from streamck.errors import StreamckError
-from streamck.writer.copy import CHUNK, read_into, write_all
+from streamck.writer.copy import read_into, write_all
+
+# Source bytes per cast step. Smaller than the copy chunk: these pages live in this
+# process (input, output and two flag temporaries), on top of torch's ~200 MiB.
+CAST_CHUNK = 16 << 20
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 # Largest finite value of each castable dtype, to know which casts can overflow.
@@ -34,7 +38,7 @@ class Caster:
     pipeline slot on CUDA), reused for every tensor.
     """
 
-    def __init__(self, chunk: int = CHUNK, device: str = "cpu"):
+    def __init__(self, chunk: int = CAST_CHUNK, device: str = "cpu"):
         import torch
 
         self.chunk = chunk
@@ -62,6 +66,8 @@ class Caster:
 
     def _steps(self, numel: int, src: str, dst: str) -> list[tuple[int, int]]:
         per = self.chunk // max(ITEMSIZE[src], ITEMSIZE[dst])
+        if per >= 4096:  # whole vectors per chunk: torch's scalar tail loop runs only at the end
+            per -= per % 4096
         return [(i, min(per, numel - i)) for i in range(0, numel, per)]
 
     def cast(

@@ -111,9 +111,9 @@ class _Writer:
             fd = self._fd(src.path)
             if t.is_cast:
                 if self.caster is None:
-                    from streamck.writer.cast import Caster
+                    from streamck.writer.cast import CAST_CHUNK, Caster
 
-                    self.caster = Caster(self.chunk, self.device or "cpu")
+                    self.caster = Caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
                 n = self.caster.cast(fd, src.start, src.numel, src.dtype, t.dtype, out, str(src.path), self.progress)
                 if n:
                     self.overflow[t.name] = n
