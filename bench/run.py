@@ -111,7 +111,7 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
     out = tmp / "out"
     rw = lambda src: (
         lambda o: streamck("rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--dtype", "bf16")
-    )  # noqa: E731
+    )
     contenders = {
         "cp -r + sync (source)": cp_fsync(big),
         "load_file/.to(bf16)/save_file": lambda o: [PY, str(HERE / "naive.py"), str(big), str(o), "--dtype", "bf16"],

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from streamck import manifest
 from streamck.errors import StreamckError
@@ -110,6 +111,29 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from streamck.compare import diff
+
+    result = diff(args.a, args.b, ignore=tuple(args.ignore or ()), data=args.data)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    else:
+        print(result)
+    return 0 if result.equal else 1
+
+
+def _cmd_hash(args: argparse.Namespace) -> int:
+    from streamck.digest import hash_manifest
+
+    m = hash_manifest(open_checkpoint(args.src))
+    text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamck", description="Memory-streaming safetensors rewriter.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,15 +170,31 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
     rules.add_argument("--plan", help="a built-in plan (eagle4) or a TOML plan file (its rules come first)")
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
-    rw.add_argument("--json", action="store_true",
-                    help="print the output manifest (with --dry-run) or a JSON report of the run")
+    rw.add_argument(
+        "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"
+    )
     rw.add_argument("--max-shard-size", metavar="SIZE", help="split into shards (5GB, 500MiB)")
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
     rw.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where casts run (default cpu)")
     rw.add_argument("--force", action="store_true", help="replace an existing output")
+    rw.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")
     rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     rw.set_defaults(func=_cmd_rewrite, rules=None)
+
+    df = sub.add_parser("diff", help="compare key sets of checkpoints or manifests (exit 1 when they differ)")
+    df.add_argument("a", help="checkpoint (any layout) or manifest JSON")
+    df.add_argument("b", help="checkpoint (any layout) or manifest JSON")
+    df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
+    df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
+    df.add_argument("--json", action="store_true", help="print the result as JSON")
+    df.set_defaults(func=_cmd_diff)
+
+    hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")
+    hs.add_argument("src", help="a .safetensors file or a checkpoint directory")
+    hs.add_argument("--json", action="store_true", help="print a hash manifest (diff accepts it)")
+    hs.add_argument("-o", "--output", help="write to this file instead of stdout")
+    hs.set_defaults(func=_cmd_hash)
     return parser
 
 

@@ -1,6 +1,6 @@
 """Writer: output layout computed up front, then tensor bytes moved in bounded chunks."""
 
+from streamck.writer.engine import WriteResult, parse_size, rewrite
 from streamck.writer.layout import Shard, header_bytes, index_bytes, plan_shards
-from streamck.writer.rewrite import WriteResult, parse_size, rewrite
 
 __all__ = ["Shard", "WriteResult", "header_bytes", "index_bytes", "parse_size", "plan_shards", "rewrite"]

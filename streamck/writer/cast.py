@@ -6,10 +6,10 @@ torch does the arithmetic, so every cast gives exactly the bits of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from streamck.errors import StreamckError
-from streamck.writer.copy import read_into, write_all
+from streamck.fileio import read_into, write_all
 
 # Source bytes per cast step. Smaller than the copy chunk: these pages live in this
 # process (input, output and two flag temporaries), on top of torch's ~200 MiB.
@@ -70,38 +70,36 @@ class Caster:
             per -= per % 4096
         return [(i, min(per, numel - i)) for i in range(0, numel, per)]
 
-    def cast(
-        self,
-        fd: int,
-        offset: int,
-        numel: int,
-        src: str,
-        dst: str,
-        out: int,
-        path: str,
-        progress: Callable[[int], None] = lambda n: None,
-    ) -> int:
+    def cast(self, fd: int, offset: int, numel: int, src: str, dst: str, out: int, path: str,
+             progress: Callable[[int], None] = lambda n: None) -> int:  # fmt: skip
         """Cast ``numel`` elements of ``src`` read from ``fd`` at ``offset``; append them as
         ``dst`` to ``out``. Returns how many finite values became infinite."""
         if self.device.type == "cuda":
             return self._cast_cuda(fd, offset, numel, src, dst, out, path, progress)
+        overflow = 0
+        for view, consumed, inf in self.convert(fd, offset, numel, src, dst, path):
+            write_all(out, view)
+            progress(consumed)
+            overflow += inf
+        return overflow
+
+    def convert(self, fd: int, offset: int, numel: int, src: str, dst: str,
+                path: str) -> Iterator[tuple[memoryview, int, int]]:  # fmt: skip
+        """On the CPU, step by step: (output bytes, source bytes consumed, new infinities).
+        Each view is valid until the next step."""
         import torch
 
         host_in, host_out, _, _ = self._slots[0]
         sdt, ddt = _torch_dtype(src), _torch_dtype(dst)
         si, di = ITEMSIZE[src], ITEMSIZE[dst]
         check = can_overflow(src, dst)
-        overflow = 0
         for start, k in self._steps(numel, src, dst):
             read_into(fd, memoryview(host_in.numpy())[: k * si], offset + start * si, path)
             a = host_in[: k * si].view(sdt)
             b = host_out[: k * di].view(ddt)
             b.copy_(a)
-            if check:
-                overflow += int(torch.isinf(b).sum()) - int(torch.isinf(a).sum())
-            write_all(out, memoryview(host_out.numpy())[: k * di])
-            progress(k * si)
-        return overflow
+            inf = int(torch.isinf(b).sum()) - int(torch.isinf(a).sum()) if check else 0
+            yield memoryview(host_out.numpy())[: k * di], k * si, inf
 
     def _cast_cuda(self, fd, offset, numel, src, dst, out, path, progress) -> int:
         # Two slots: while the GPU moves and casts chunk i, the host writes chunk i-1

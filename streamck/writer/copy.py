@@ -12,25 +12,10 @@ import os
 from collections.abc import Callable
 
 from streamck.errors import CheckpointError
+from streamck.fileio import read_into, write_all
 
 CHUNK = 64 << 20
 _FALLBACK = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.ESPIPE}
-
-
-def write_all(fd: int, data: memoryview | bytes) -> None:
-    """os.write until every byte of ``data`` is written."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from ``fd`` at ``offset``; a short file is a CheckpointError naming ``path``."""
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise CheckpointError("file ended before its last tensor's bytes (truncated?)", path)
-        view, offset = view[n:], offset + n
 
 
 class Copier:

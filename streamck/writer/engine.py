@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamck.errors import OutputError, StreamckError
+from streamck.fileio import write_all
 from streamck.plan import Plan
 from streamck.writer.atomic import atomic_output, check_target, signals_as_exceptions
-from streamck.writer.copy import CHUNK, Copier, write_all
+from streamck.writer.copy import CHUNK, Copier
 from streamck.writer.layout import INDEX_NAME, Shard, index_bytes, plan_shards
+from streamck.writer.verify import verify_shard
 
 _DROP_EVERY = 256 << 20
 
@@ -93,6 +95,7 @@ class _Writer:
         self.progress = progress
         self.fds: dict[Path, int] = {}
         self.overflow: dict[str, int] = {}
+        self._cpu_caster = None
 
     def _fd(self, path: Path) -> int:
         if path not in self.fds:
@@ -127,6 +130,13 @@ class _Writer:
                     os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
                     since_drop = 0
 
+    def cpu_caster(self):
+        from streamck.writer.cast import CAST_CHUNK, Caster
+
+        if self._cpu_caster is None:
+            self._cpu_caster = Caster(min(self.chunk, CAST_CHUNK), "cpu")
+        return self._cpu_caster
+
     def write_file(self, shard: Shard, path: Path) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -147,12 +157,16 @@ def rewrite(
     force: bool = False,
     drop_cache: bool = False,
     device: str | None = None,
+    verify: bool = False,
     chunk: int = CHUNK,
     progress: bool = False,
 ) -> WriteResult:
     """Write ``plan`` to ``out``: a ``*.safetensors`` path is one file; any other path is a
     directory holding ``model.safetensors`` (or numbered shards and an index when
     ``max_shard_size`` splits it) and the plan's extra files.
+
+    With ``verify``, every written tensor is re-read and checked against its source
+    (or a fresh CPU cast of it) before the output is kept.
 
     Memory stays near ``chunk`` bytes whatever the tensor sizes. The output appears
     under its final name only when complete and fsynced; on any error or signal
@@ -179,11 +193,13 @@ def rewrite(
         stack.callback(writer.close)
         tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
         try:
-            if single:
-                writer.write_file(shards[0], tmp)
-            else:
-                for shard in shards:
-                    writer.write_file(shard, tmp / shard.filename)
+            paths = [tmp] if single else [tmp / s.filename for s in shards]
+            for shard, path in zip(shards, paths, strict=True):
+                writer.write_file(shard, path)
+            if verify:
+                for shard, path in zip(shards, paths, strict=True):
+                    verify_shard(shard, path, writer.cpu_caster)
+            if not single:
                 extras = dict(plan.files)
                 if len(shards) > 1:
                     extras[INDEX_NAME] = index_bytes(shards)

@@ -1,0 +1,161 @@
+"""Key-set checks for CI: manifests, diff, hash, rewrite --verify."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import llama_like, save, save_sharded
+
+from streamck import OutputError, Rules, compile_plan, open_checkpoint, rewrite
+from streamck.compare import collapse, diff
+
+
+def streamck(*args):
+    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
+
+
+def test_collapse_layer_patterns():
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(80)] + ["lm_head.weight"]
+    assert collapse(names) == ["lm_head.weight", "model.layers.{0..79}.mlp.up_proj.weight"]
+    assert collapse(["a.1.x", "a.2.x", "a.4.x"]) == ["a.{1..2,4}.x"]
+    experts = [f"layers.{layer}.experts.{e}.w" for layer in range(4) for e in range(8)]
+    assert collapse(experts) == ["layers.{0..3}.experts.{0..7}.w"]
+    assert collapse(["x.0.a", "x.1.b"]) == ["x.0.a", "x.1.b"]
+
+
+def test_every_kind_of_difference(tmp_path):
+    a = {f"model.layers.{i}.w": np.zeros(4, np.float32) for i in range(6)}
+    a |= {"keep": np.zeros(2, np.float32), "dt": np.zeros(2, np.float32), "sh": np.zeros(4, np.float32),
+          "gone": np.zeros(1, np.int8)}  # fmt: skip
+    b = {f"layers.{i}.w": np.zeros(4, np.float32) for i in range(6)}
+    b |= {"keep": np.zeros(2, np.float32), "dt": np.zeros(2, np.float16), "sh": np.zeros((2, 2), np.float32),
+          "new": np.zeros(1, np.int8)}  # fmt: skip
+    result = diff(save(tmp_path / "a.safetensors", a), save(tmp_path / "b.safetensors", b))
+    assert result.only_a == sorted(["gone", *(f"model.layers.{i}.w" for i in range(6))])
+    assert result.only_b == sorted(["new", *(f"layers.{i}.w" for i in range(6))])
+    assert result.dtype == [("dt", "F32", "F16")]
+    assert result.shape == [("sh", [4], [2, 2])]
+    text = str(result)
+    assert "  - model.layers.{0..5}.w" in text and "  + layers.{0..5}.w" in text
+    assert "  ~ dt: F32 -> F16" in text and "  ~ sh: [4] -> [2, 2]" in text
+    assert not result.equal and result
+
+
+def test_equal_and_exit_codes(tmp_path):
+    ck = save_sharded(tmp_path / "ck", llama_like(), 2)
+    (tmp_path / "golden.json").write_text(streamck("ls", ck, "--json").stdout)
+    same = streamck("diff", tmp_path / "golden.json", ck)
+    assert same.returncode == 0 and "no differences" in same.stdout
+    other = save(tmp_path / "o.safetensors", {"x": np.zeros(1)})
+    assert streamck("diff", tmp_path / "golden.json", other).returncode == 1
+    bad = streamck("diff", tmp_path / "golden.json", tmp_path / "missing")
+    assert bad.returncode == 2 and bad.stderr.startswith("streamck: error:")
+
+
+def test_manifest_against_dry_run_manifest(tmp_path):
+    ck = save_sharded(tmp_path / "ck", llama_like(), 2)
+    dry = streamck("rewrite", ck, "--dry-run", "--json", "--strip-prefix", "model.", "--drop", "*inv_freq").stdout
+    (tmp_path / "now.json").write_text(dry)
+    proc = streamck("diff", ck, tmp_path / "now.json", "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" in report["only_a"]
+    assert "layers.0.mlp.up_proj.weight" in report["only_b"]
+
+
+def test_ignore(tmp_path):
+    a = save(tmp_path / "a.safetensors", {"w": np.zeros(2), "x.inv_freq": np.zeros(1)})
+    b = save(tmp_path / "b.safetensors", {"w": np.zeros(2)})
+    assert not diff(a, b, ignore=("*.inv_freq",))
+    assert streamck("diff", a, b, "--ignore", "*.inv_freq").returncode == 0
+
+
+def test_api_str_is_the_cli_report(tmp_path):
+    a = save(tmp_path / "a.safetensors", {"w": np.zeros(2)})
+    b = save(tmp_path / "b.safetensors", {"w": np.zeros(3)})
+    assert streamck("diff", a, b).stdout == str(diff(a, b)) + "\n"
+
+
+def test_data_finds_a_one_element_change(tmp_path):
+    t = llama_like()
+    a = save(tmp_path / "a.safetensors", t)
+    t2 = {k: v.copy() for k, v in t.items()}
+    t2["model.layers.1.mlp.up_proj.weight"][3, 5] += 0.25
+    b = save_sharded(tmp_path / "b", t2, 3)
+    assert diff(a, b).equal  # headers agree
+    result = diff(a, b, data=True)
+    (d,) = result.data
+    assert d.name == "model.layers.1.mlp.up_proj.weight" and d.differing == 1 and d.numel == 128
+    assert d.max_abs == pytest.approx(0.25, abs=1e-6)
+    proc = streamck("diff", a, b, "--data")
+    assert proc.returncode == 1 and "1 of 128 elements differ, max |a-b| = 0.25" in proc.stdout
+
+
+def test_data_needs_checkpoints(tmp_path):
+    a = save(tmp_path / "a.safetensors", {"w": np.zeros(2)})
+    (tmp_path / "m.json").write_text(streamck("ls", a, "--json").stdout)
+    proc = streamck("diff", a, tmp_path / "m.json", "--data")
+    assert proc.returncode == 2 and "both sides must be checkpoints" in proc.stderr
+
+
+def test_hash_manifest_and_digest_diff(tmp_path):
+    t = llama_like()
+    a = save(tmp_path / "a.safetensors", t)
+    proc = streamck("hash", a, "--json", "-o", tmp_path / "a.sha.json")
+    assert proc.returncode == 0
+    hashes = json.loads((tmp_path / "a.sha.json").read_text())
+    import hashlib
+
+    assert hashes["tensors"]["lm_head.weight"]["sha256"] == hashlib.sha256(t["lm_head.weight"].tobytes()).hexdigest()
+    assert streamck("diff", tmp_path / "a.sha.json", a).returncode == 0
+    t["lm_head.weight"][0, 0] = 9
+    b = save(tmp_path / "b.safetensors", t)
+    proc = streamck("diff", tmp_path / "a.sha.json", b)
+    assert proc.returncode == 1 and "digest changed (1):" in proc.stdout and "! lm_head.weight" in proc.stdout
+    plain = streamck("hash", a).stdout.splitlines()
+    assert len(plain) == len(t) and plain[0].endswith("  lm_head.weight")
+
+
+def test_ls_and_diff_never_import_torch(tmp_path):
+    a = save_sharded(tmp_path / "a", llama_like(), 2)
+    code = (
+        "import sys; from streamck.cli import main\n"
+        f"main(['ls', {str(a)!r}, '--json']); main(['diff', {str(a)!r}, {str(a)!r}, '--data'])\n"
+        f"main(['hash', {str(a)!r}])\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_verify_catches_a_byte_flipped_before_verification(tmp_path, monkeypatch, dtype):
+    import streamck.writer.engine as rw
+
+    src = save(tmp_path / "s.safetensors", llama_like())
+    real = rw.verify_shard
+
+    def tamper(shard, path, factory):
+        with open(path, "r+b") as f:
+            f.seek(-3, 2)
+            byte = f.read(1)
+            f.seek(-3, 2)
+            f.write(bytes([byte[0] ^ 0x40]))
+        real(shard, path, factory)
+
+    monkeypatch.setattr(rw, "verify_shard", tamper)
+    plan = compile_plan(open_checkpoint(src), Rules(dtype=dtype))
+    with pytest.raises(OutputError, match="verification failed"):
+        rewrite(plan, tmp_path / "o.safetensors", verify=True)
+    assert not (tmp_path / "o.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+
+
+@pytest.mark.parametrize("dtype", [None, "fp16"])
+def test_verify_passes_on_a_good_rewrite(tmp_path, dtype):
+    src = save_sharded(tmp_path / "s", llama_like(), 2)
+    args = ["--dtype", dtype] if dtype else []
+    proc = streamck("rewrite", src, "-o", tmp_path / "o", "--verify", "--max-shard-size", "1KB", *args)
+    assert proc.returncode == 0, proc.stderr
