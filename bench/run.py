@@ -109,9 +109,10 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
     small = make_checkpoint(tmp / "small", size // 4, embed // 4)
     data = sum(p.stat().st_size for p in big.glob("*.safetensors"))
     out = tmp / "out"
-    rw = lambda src: (
-        lambda o: streamck("rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--dtype", "bf16")
-    )
+
+    def rw(src):
+        return lambda o: streamck("rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--dtype", "bf16")
+
     contenders = {
         "cp -r + sync (source)": cp_fsync(big),
         "load_file/.to(bf16)/save_file": lambda o: [PY, str(HERE / "naive.py"), str(big), str(o), "--dtype", "bf16"],
