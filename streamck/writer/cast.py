@@ -98,7 +98,6 @@ class Caster:
                 path: str) -> Iterator[tuple[memoryview, int, int]]:  # fmt: skip
         """On the CPU, step by step: (output bytes, source bytes consumed, new infinities).
         Each view is valid until the next step."""
-        import torch
 
         host_in, host_out, _, _ = self._slots[0]
         sdt, ddt = _torch_dtype(src), _torch_dtype(dst)
