@@ -103,8 +103,12 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
     if args.json:
-        report = {"files": [str(f) for f in result.files], "overflow": dict(sorted(result.overflow.items())),
-                  "tensors": len(plan.tensors), "total_size": result.total_size}  # fmt: skip
+        report = {
+            "files": [str(f) for f in result.files],
+            "overflow": dict(sorted(result.overflow.items())),
+            "tensors": len(plan.tensors),
+            "total_size": result.total_size,
+        }
         print(json.dumps(report, indent=2, sort_keys=True))
     elif not args.quiet:
         print(f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}", file=sys.stderr)

@@ -82,13 +82,18 @@ class DiffResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "a": self.a, "b": self.b, "equal": self.equal, "tensors_a": self.count_a, "tensors_b": self.count_b,
-            "only_a": self.only_a, "only_b": self.only_b,
+            "a": self.a,
+            "b": self.b,
+            "equal": self.equal,
+            "tensors_a": self.count_a,
+            "tensors_b": self.count_b,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
             "dtype_changed": [{"name": n, "a": x, "b": y} for n, x, y in self.dtype],
             "shape_changed": [{"name": n, "a": x, "b": y} for n, x, y in self.shape],
             "digest_changed": self.digest,
             "data_changed": [d.__dict__ for d in self.data],
-        }  # fmt: skip
+        }
 
     def __str__(self) -> str:
         lines = [f"--- a: {self.a} ({self.count_a} tensors)", f"+++ b: {self.b} ({self.count_b} tensors)"]
@@ -103,10 +108,14 @@ class DiffResult:
         section(f"dtype changed ({len(self.dtype)}):", _changes(self.dtype))
         section(f"shape changed ({len(self.shape)}):", _changes(self.shape))
         section(f"digest changed ({len(self.digest)}):", [f"  ! {p}" for p in collapse(self.digest)])
-        section(f"data changed ({len(self.data)}):", [
-            f"  ! {d.name}: {d.differing} of {d.numel} elements differ"
-            + (f", max |a-b| = {d.max_abs:.6g}" if d.max_abs is not None else "") for d in self.data
-        ])  # fmt: skip
+        section(
+            f"data changed ({len(self.data)}):",
+            [
+                f"  ! {d.name}: {d.differing} of {d.numel} elements differ"
+                + (f", max |a-b| = {d.max_abs:.6g}" if d.max_abs is not None else "")
+                for d in self.data
+            ],
+        )
         if self.equal:
             lines.append("no differences")
         return "\n".join(lines)
@@ -116,8 +125,11 @@ def _changes(items: list[tuple[str, Any, Any]]) -> list[str]:
     by_change: dict[tuple[str, str], list[str]] = {}
     for name, x, y in items:
         by_change.setdefault((json.dumps(x), json.dumps(y)), []).append(name)
-    return [f"  ~ {p}: {x.strip(chr(34))} -> {y.strip(chr(34))}"
-            for (x, y), names in by_change.items() for p in collapse(names)]  # fmt: skip
+    return [
+        f"  ~ {p}: {x.strip(chr(34))} -> {y.strip(chr(34))}"
+        for (x, y), names in by_change.items()
+        for p in collapse(names)
+    ]
 
 
 _NUM = re.compile(r"(\d+)")
@@ -173,8 +185,9 @@ def _compare_data(a: Checkpoint, b: Checkpoint, names: list[str]) -> list[DataDi
     return [DataDiff(name, *d) for name, d in found if d is not None]
 
 
-def diff(a: str | os.PathLike | Side, b: str | os.PathLike | Side, *, ignore: tuple[str, ...] = (),
-         data: bool = False) -> DiffResult:  # fmt: skip
+def diff(
+    a: str | os.PathLike | Side, b: str | os.PathLike | Side, *, ignore: tuple[str, ...] = (), data: bool = False
+) -> DiffResult:
     """Compare two checkpoints or manifests: names, dtypes, shapes; digests where either
     side has them; tensor bytes with ``data=True`` (both sides must be checkpoints).
     ``ignore`` globs leave names out of every comparison."""

@@ -9,10 +9,20 @@ from streamck.source.reader import ChunkReader
 
 # dtype -> (numpy dtype of the raw element, how to read it as float64 or None)
 _RAW = {
-    "F64": ("<u8", "<f8"), "F32": ("<u4", "<f4"), "F16": ("<u2", "<f2"), "BF16": ("<u2", "bf16"),
-    "I64": ("<u8", "<i8"), "I32": ("<u4", "<i4"), "I16": ("<u2", "<i2"), "I8": ("u1", "i1"),
-    "U64": ("<u8", "<u8"), "U32": ("<u4", "<u4"), "U16": ("<u2", "<u2"), "U8": ("u1", "u1"), "BOOL": ("u1", "u1"),
-}  # fmt: skip
+    "F64": ("<u8", "<f8"),
+    "F32": ("<u4", "<f4"),
+    "F16": ("<u2", "<f2"),
+    "BF16": ("<u2", "bf16"),
+    "I64": ("<u8", "<i8"),
+    "I32": ("<u4", "<i4"),
+    "I16": ("<u2", "<i2"),
+    "I8": ("u1", "i1"),
+    "U64": ("<u8", "<u8"),
+    "U32": ("<u4", "<u4"),
+    "U16": ("<u2", "<u2"),
+    "U8": ("u1", "u1"),
+    "BOOL": ("u1", "u1"),
+}
 _STEP = 8 << 20  # a multiple of every item size
 
 

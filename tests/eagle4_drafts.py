@@ -9,15 +9,29 @@ import numpy as np
 from helpers import save, save_sharded
 
 BASE_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32,
-    "hidden_size": 16, "intermediate_size": 40, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "vocab_size": 50, "rms_norm_eps": 1e-5, "efficient_lm_head_rank": 6, "rope_theta": 500000.0,
-    "max_position_embeddings": 2048, "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": 1,
-    "eos_token_id": 2, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 16,
+    "intermediate_size": 40,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 50,
+    "rms_norm_eps": 1e-5,
+    "efficient_lm_head_rank": 6,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 2048,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
     "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]},
-    "_name_or_path": "meta-llama/Llama-3.1-8B", "transformers_version": "4.55.0", "learning_rate": 3e-4,
+    "_name_or_path": "meta-llama/Llama-3.1-8B",
+    "transformers_version": "4.55.0",
+    "learning_rate": 3e-4,
     "ttt_length": 7,
-}  # fmt: skip
+}
 
 
 def shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -29,17 +43,30 @@ def shapes(config: dict) -> dict[str, tuple[int, ...]]:
     A = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     p = "model.layers.0."
     s = {
-        "model.fc.weight": (H, A * T), p + "hidden_norm.weight": (H,), p + "input_layernorm.weight": (H,),
-        p + "post_attention_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (nh * d, 2 * H),
-        p + "self_attn.k_proj.weight": (nkv * d, 2 * H), p + "self_attn.v_proj.weight": (nkv * d, 2 * H),
-        p + "self_attn.o_proj.weight": (H, nh * d), p + "mlp.gate_proj.weight": (I, H),
-        p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I), "model.norm.weight": (H,),
-        "model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H),
-        "efficient_lm_head_down_proj.weight": (R, H), "efficient_lm_head.weight": (V, R),
-    }  # fmt: skip
+        "model.fc.weight": (H, A * T),
+        p + "hidden_norm.weight": (H,),
+        p + "input_layernorm.weight": (H,),
+        p + "post_attention_layernorm.weight": (H,),
+        p + "self_attn.q_proj.weight": (nh * d, 2 * H),
+        p + "self_attn.k_proj.weight": (nkv * d, 2 * H),
+        p + "self_attn.v_proj.weight": (nkv * d, 2 * H),
+        p + "self_attn.o_proj.weight": (H, nh * d),
+        p + "mlp.gate_proj.weight": (I, H),
+        p + "mlp.up_proj.weight": (I, H),
+        p + "mlp.down_proj.weight": (H, I),
+        "model.norm.weight": (H,),
+        "model.embed_tokens.weight": (V, H),
+        "lm_head.weight": (V, H),
+        "efficient_lm_head_down_proj.weight": (R, H),
+        "efficient_lm_head.weight": (V, R),
+    }
     if config.get("attention_bias"):
-        s |= {p + "self_attn.q_proj.bias": (nh * d,), p + "self_attn.k_proj.bias": (nkv * d,),
-              p + "self_attn.v_proj.bias": (nkv * d,), p + "self_attn.o_proj.bias": (H,)}  # fmt: skip
+        s |= {
+            p + "self_attn.q_proj.bias": (nh * d,),
+            p + "self_attn.k_proj.bias": (nkv * d,),
+            p + "self_attn.v_proj.bias": (nkv * d,),
+            p + "self_attn.o_proj.bias": (H,),
+        }
     if config.get("mlp_bias"):
         s |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (H,)}
     return s

@@ -21,8 +21,11 @@ def cast_via_streamck(tmp_path, src_dtype: str, raw: bytes, dst_dtype: str, chun
     """Write ``raw`` as one tensor, rewrite it with --dtype, return (output bytes, overflow)."""
     itemsize = torch.empty(0, dtype=TORCH[src_dtype]).element_size()
     n = len(raw) // itemsize
-    src = raw_file(tmp_path / f"src-{src_dtype}-{dst_dtype}.safetensors",
-                   {"t": {"dtype": src_dtype, "shape": [n], "data_offsets": [0, len(raw)]}}, raw)  # fmt: skip
+    src = raw_file(
+        tmp_path / f"src-{src_dtype}-{dst_dtype}.safetensors",
+        {"t": {"dtype": src_dtype, "shape": [n], "data_offsets": [0, len(raw)]}},
+        raw,
+    )
     out = tmp_path / f"out-{src_dtype}-{dst_dtype}.safetensors"
     result = rewrite(compile_plan(open_checkpoint(src), Rules(dtype=dst_dtype)), out, chunk=chunk, force=True)
     return bytes(open_checkpoint(out).read("t")), result.overflow.get("t", 0)
@@ -61,9 +64,25 @@ def _f32_ties() -> bytes:
     highs = np.arange(0, 1 << 16, 37, dtype=np.uint32)
     lows = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
     patterns = (highs[:, None] << 16 | lows[None, :]).ravel()
-    specials = np.array([0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF,
-                         0x33000000, 0x33000001, 0x387FE000, 0x00000001, 0x80000001, 0x7F800001, 0xFFC00000],
-                        np.uint32)  # fmt: skip
+    specials = np.array(
+        [
+            0x477FE000,
+            0x477FEFFF,
+            0x477FF000,
+            0x477FF001,
+            0x7F7FFFFF,
+            0x7F7F8000,
+            0x7F7F7FFF,
+            0x33000000,
+            0x33000001,
+            0x387FE000,
+            0x00000001,
+            0x80000001,
+            0x7F800001,
+            0xFFC00000,
+        ],
+        np.uint32,
+    )
     return np.concatenate([patterns, specials]).tobytes()
 
 
@@ -107,9 +126,11 @@ def test_overflow_counted(tmp_path):
 
 def _mixed(tmp_path):
     f32 = np.arange(4, dtype=np.float32)
-    header = {"a.norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-              "b.weight": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]},
-              "c.step": {"dtype": "I64", "shape": [1], "data_offsets": [32, 40]}}  # fmt: skip
+    header = {
+        "a.norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "b.weight": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]},
+        "c.step": {"dtype": "I64", "shape": [1], "data_offsets": [32, 40]},
+    }
     return raw_file(tmp_path / "m.safetensors", header, f32.tobytes() * 2 + np.int64(7).tobytes())
 
 
@@ -130,8 +151,12 @@ def test_cast_naming_an_integer_tensor_is_an_error(tmp_path):
 def test_dtype_spellings():
     from streamck.dtypes import castable_dtype
 
-    spellings = {"F32": ["F32", "float32", "fp32"], "BF16": ["BF16", "bfloat16", "bf16"],
-                 "F16": ["F16", "float16", "fp16", "half"], "F64": ["F64", "float64"]}  # fmt: skip
+    spellings = {
+        "F32": ["F32", "float32", "fp32"],
+        "BF16": ["BF16", "bfloat16", "bf16"],
+        "F16": ["F16", "float16", "fp16", "half"],
+        "F64": ["F64", "float64"],
+    }
     for name, words in spellings.items():
         assert all(castable_dtype(w) == name for w in words)
     with pytest.raises(ValueError, match="int8"):
@@ -160,8 +185,9 @@ def test_cli_dry_run_shows_dtypes(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
-    proc = streamck("rewrite", _mixed(tmp_path), "-o", tmp_path / "o.safetensors", "--dtype", "bf16",
-                    "--device", "cuda")  # fmt: skip
+    proc = streamck(
+        "rewrite", _mixed(tmp_path), "-o", tmp_path / "o.safetensors", "--dtype", "bf16", "--device", "cuda"
+    )
     assert proc.returncode == 2
     assert "no usable CUDA device" in proc.stderr and proc.stderr.count("\n") == 1
     assert not (tmp_path / "o.safetensors").exists()
@@ -170,8 +196,11 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_cast_bit_identical_to_cpu(tmp_path):
     raw = _f32_ties() + np.random.default_rng(2).standard_normal(300_001, dtype=np.float32).tobytes()
-    src = raw_file(tmp_path / "s.safetensors", {"t": {"dtype": "F32", "shape": [len(raw) // 4],
-                                                      "data_offsets": [0, len(raw)]}}, raw)  # fmt: skip
+    src = raw_file(
+        tmp_path / "s.safetensors",
+        {"t": {"dtype": "F32", "shape": [len(raw) // 4], "data_offsets": [0, len(raw)]}},
+        raw,
+    )
     for dst in ("BF16", "F16"):
         plan = compile_plan(open_checkpoint(src), Rules(dtype=dst))
         cpu = rewrite(plan, tmp_path / f"cpu-{dst}.safetensors", chunk=100_000)

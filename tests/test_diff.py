@@ -27,11 +27,19 @@ def test_collapse_layer_patterns():
 
 def test_every_kind_of_difference(tmp_path):
     a = {f"model.layers.{i}.w": np.zeros(4, np.float32) for i in range(6)}
-    a |= {"keep": np.zeros(2, np.float32), "dt": np.zeros(2, np.float32), "sh": np.zeros(4, np.float32),
-          "gone": np.zeros(1, np.int8)}  # fmt: skip
+    a |= {
+        "keep": np.zeros(2, np.float32),
+        "dt": np.zeros(2, np.float32),
+        "sh": np.zeros(4, np.float32),
+        "gone": np.zeros(1, np.int8),
+    }
     b = {f"layers.{i}.w": np.zeros(4, np.float32) for i in range(6)}
-    b |= {"keep": np.zeros(2, np.float32), "dt": np.zeros(2, np.float16), "sh": np.zeros((2, 2), np.float32),
-          "new": np.zeros(1, np.int8)}  # fmt: skip
+    b |= {
+        "keep": np.zeros(2, np.float32),
+        "dt": np.zeros(2, np.float16),
+        "sh": np.zeros((2, 2), np.float32),
+        "new": np.zeros(1, np.int8),
+    }
     result = diff(save(tmp_path / "a.safetensors", a), save(tmp_path / "b.safetensors", b))
     assert result.only_a == sorted(["gone", *(f"model.layers.{i}.w" for i in range(6))])
     assert result.only_b == sorted(["new", *(f"layers.{i}.w" for i in range(6))])

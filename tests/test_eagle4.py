@@ -99,17 +99,20 @@ def test_missing_aux_layer_ids(tmp_path):
         export_eagle4_draft(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize(("key", "value", "match"), [
-    ("hidden_size", "16", "hidden_size must be a positive integer, not '16'"),
-    ("vocab_size", 0, "vocab_size must be a positive integer"),
-    ("efficient_lm_head_rank", -3, "efficient_lm_head_rank must be a positive integer"),
-    ("efficient_lm_head_rank", 6.0, "efficient_lm_head_rank must be a positive integer"),
-    ("rms_norm_eps", "1e-5", "rms_norm_eps must be a positive number"),
-    ("head_dim", True, "head_dim must be a positive integer"),
-    ("attention_bias", "yes", "attention_bias must be true or false"),
-    ("eagle_config", {"eagle_aux_hidden_state_layer_ids": []}, "non-empty list of integers"),
-    ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [1, "2"]}, "non-empty list of integers"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("hidden_size", "16", "hidden_size must be a positive integer, not '16'"),
+        ("vocab_size", 0, "vocab_size must be a positive integer"),
+        ("efficient_lm_head_rank", -3, "efficient_lm_head_rank must be a positive integer"),
+        ("efficient_lm_head_rank", 6.0, "efficient_lm_head_rank must be a positive integer"),
+        ("rms_norm_eps", "1e-5", "rms_norm_eps must be a positive number"),
+        ("head_dim", True, "head_dim must be a positive integer"),
+        ("attention_bias", "yes", "attention_bias must be true or false"),
+        ("eagle_config", {"eagle_aux_hidden_state_layer_ids": []}, "non-empty list of integers"),
+        ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [1, "2"]}, "non-empty list of integers"),
+    ],
+)
 def test_mistyped_config_key(tmp_path, key, value, match):
     src, config, _ = make_draft(tmp_path / "step")
     config[key] = value
@@ -118,12 +121,18 @@ def test_mistyped_config_key(tmp_path, key, value, match):
         export_eagle4_draft(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    ({"draft_vocab_size": 32}, "draft_vocab_size 32 differs from vocab_size 50"),
-    ({"parallel_drafting": True}, "parallel_drafting: true"),
-    ({"fc_norm": True}, "fc_norm: true"),
-    ({"eagle_config": {**BASE_CONFIG["eagle_config"], "parallel_drafting": True}}, "eagle_config.parallel_drafting"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"draft_vocab_size": 32}, "draft_vocab_size 32 differs from vocab_size 50"),
+        ({"parallel_drafting": True}, "parallel_drafting: true"),
+        ({"fc_norm": True}, "fc_norm: true"),
+        (
+            {"eagle_config": {**BASE_CONFIG["eagle_config"], "parallel_drafting": True}},
+            "eagle_config.parallel_drafting",
+        ),
+    ],
+)
 def test_unsupported_structure(tmp_path, overrides, match):
     _refused(tmp_path, overrides, match=match)
 
@@ -147,8 +156,11 @@ def test_missing_and_unexpected_listed_together(tmp_path):
         del t["efficient_lm_head.weight"]
         t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(4, np.float32)
 
-    _refused(tmp_path, match="1 missing: efficient_lm_head.weight; 1 unexpected: "
-             "model.layers.0.self_attn.rotary_emb.inv_freq", tensors_edit=edit)  # fmt: skip
+    _refused(
+        tmp_path,
+        match="1 missing: efficient_lm_head.weight; 1 unexpected: model.layers.0.self_attn.rotary_emb.inv_freq",
+        tensors_edit=edit,
+    )
 
 
 def test_bias_without_flag_is_unexpected(tmp_path):
@@ -170,9 +182,12 @@ def test_wrong_shape_names_expected_found_and_config_keys(tmp_path):
     def edit(t):
         t["model.fc.weight"] = np.zeros((16, 32), np.float32)
 
-    _refused(tmp_path, tensors_edit=edit,
-             match=r"model.fc.weight has shape \[16, 32\], expected \[16, 48\] = \[H, A\*T\] from H = hidden_size, "
-                   r"A = len\(eagle_config.eagle_aux_hidden_state_layer_ids\), T = target_hidden_size")  # fmt: skip
+    _refused(
+        tmp_path,
+        tensors_edit=edit,
+        match=r"model.fc.weight has shape \[16, 32\], expected \[16, 48\] = \[H, A\*T\] from H = hidden_size, "
+        r"A = len\(eagle_config.eagle_aux_hidden_state_layer_ids\), T = target_hidden_size",
+    )
 
 
 def test_integer_tensor_refused(tmp_path):

@@ -21,25 +21,55 @@ ARCHITECTURE = "LlamaForCausalLMEagle4"
 # Serving config: these keys are set, these are copied when present, nothing else survives.
 SET_CONFIG = {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1}
 COPIED_CONFIG = (
-    "attention_bias", "attention_dropout", "bos_token_id", "eagle_config", "efficient_lm_head_candidates",
-    "efficient_lm_head_rank", "eos_token_id", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
-    "max_position_embeddings", "mlp_bias", "num_attention_heads", "num_key_value_heads", "pad_token_id",
-    "rms_norm_eps", "rope_scaling", "rope_theta", "sliding_window", "target_hidden_size", "tie_word_embeddings",
-    "torch_dtype", "vocab_size",
-)  # fmt: skip
-REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                  "efficient_lm_head_rank")  # fmt: skip
+    "attention_bias",
+    "attention_dropout",
+    "bos_token_id",
+    "eagle_config",
+    "efficient_lm_head_candidates",
+    "efficient_lm_head_rank",
+    "eos_token_id",
+    "head_dim",
+    "hidden_act",
+    "hidden_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "mlp_bias",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "pad_token_id",
+    "rms_norm_eps",
+    "rope_scaling",
+    "rope_theta",
+    "sliding_window",
+    "target_hidden_size",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "vocab_size",
+)
+REQUIRED_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "efficient_lm_head_rank",
+)
 OPTIONAL_SIZES = ("head_dim", "target_hidden_size")
 AUX_LAYERS = ("eagle_config", "eagle_aux_hidden_state_layer_ids")
 REFUSED_FLAGS = ("parallel_drafting", "fc_norm")  # true at top level or in eagle_config: not built by EAGLE-4
 
 # Shape symbols and the config keys behind each, for error messages.
 SYMBOLS = {
-    "H": "hidden_size", "T": "target_hidden_size (default hidden_size)",
-    "A": "len(eagle_config.eagle_aux_hidden_state_layer_ids)", "nh": "num_attention_heads",
-    "nkv": "num_key_value_heads", "d": "head_dim (default hidden_size / num_attention_heads)",
-    "I": "intermediate_size", "V": "vocab_size", "R": "efficient_lm_head_rank",
-}  # fmt: skip
+    "H": "hidden_size",
+    "T": "target_hidden_size (default hidden_size)",
+    "A": "len(eagle_config.eagle_aux_hidden_state_layer_ids)",
+    "nh": "num_attention_heads",
+    "nkv": "num_key_value_heads",
+    "d": "head_dim (default hidden_size / num_attention_heads)",
+    "I": "intermediate_size",
+    "V": "vocab_size",
+    "R": "efficient_lm_head_rank",
+}
 
 # (serving key, training key, shape as products of symbols)
 TENSORS = (
@@ -138,8 +168,10 @@ def structure(config: dict, where: Path) -> dict[str, int]:
             raise refuse(f"{flag} must be true or false, not {config[flag]!r}")
     draft_vocab = config.get("draft_vocab_size")
     if draft_vocab is not None and draft_vocab != config["vocab_size"]:
-        raise refuse(f"draft_vocab_size {draft_vocab!r} differs from vocab_size {config['vocab_size']}: "
-                     "EAGLE-4 has no vocabulary remap")  # fmt: skip
+        raise refuse(
+            f"draft_vocab_size {draft_vocab!r} differs from vocab_size {config['vocab_size']}: "
+            "EAGLE-4 has no vocabulary remap"
+        )
     for scope, table in (("", config), ("eagle_config.", eagle)):
         for flag in REFUSED_FLAGS:
             if table.get(flag) is True:
@@ -150,9 +182,17 @@ def structure(config: dict, where: Path) -> dict[str, int]:
         if H % nh:
             raise refuse(f"hidden_size {H} is not divisible by num_attention_heads {nh}; set head_dim")
         d = H // nh
-    return {"H": H, "T": config.get("target_hidden_size") or H, "A": len(aux), "nh": nh,
-            "nkv": config["num_key_value_heads"], "d": d, "I": config["intermediate_size"],
-            "V": config["vocab_size"], "R": config["efficient_lm_head_rank"]}  # fmt: skip
+    return {
+        "H": H,
+        "T": config.get("target_hidden_size") or H,
+        "A": len(aux),
+        "nh": nh,
+        "nkv": config["num_key_value_heads"],
+        "d": d,
+        "I": config["intermediate_size"],
+        "V": config["vocab_size"],
+        "R": config["efficient_lm_head_rank"],
+    }
 
 
 def table(config: dict) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -200,26 +240,32 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
     config = _load_config(directory)
     symbols = structure(config, directory / "config.json")
     ckpt = open_checkpoint(directory)
-    second = sorted(n for n in ckpt.tensors if n.startswith(SECOND_LAYER_PREFIX)
-                    and not n.startswith(SECOND_LAYER_PREFIX + "0."))  # fmt: skip
+    second = sorted(
+        n for n in ckpt.tensors if n.startswith(SECOND_LAYER_PREFIX) and not n.startswith(SECOND_LAYER_PREFIX + "0.")
+    )
     if second:
-        raise PlanError(f"{second[0]} belongs to a second draft layer; EAGLE-4 drafts have exactly one"
-                        + (f" ({len(second)} such tensors)" if len(second) > 1 else ""), directory)  # fmt: skip
+        raise PlanError(
+            f"{second[0]} belongs to a second draft layer; EAGLE-4 drafts have exactly one"
+            + (f" ({len(second)} such tensors)" if len(second) > 1 else ""),
+            directory,
+        )
     rows = table(config)
     expected = {train: (serve, shape) for serve, train, shape in rows}
     missing = sorted(set(expected) - set(ckpt.tensors))
     unexpected = sorted(set(ckpt.tensors) - set(expected))
     if missing or unexpected:
-        parts = [_listing(label, names) for label, names in (("missing", missing), ("unexpected", unexpected))
-                 if names]  # fmt: skip
+        parts = [_listing(label, names) for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
         raise PlanError("training tensors do not match the EAGLE-4 table: " + "; ".join(parts), directory)
     tensors = []
     for serve, train, exprs in rows:
         ref = ckpt.tensors[train]
         want = tuple(_evaluate(e, symbols) for e in exprs)
         if ref.shape != want:
-            raise PlanError(f"{train} has shape {list(ref.shape)}, expected {list(want)} = "
-                            f"[{', '.join(exprs)}] from {_behind(exprs)}", directory)  # fmt: skip
+            raise PlanError(
+                f"{train} has shape {list(ref.shape)}, expected {list(want)} = "
+                f"[{', '.join(exprs)}] from {_behind(exprs)}",
+                directory,
+            )
         if ref.dtype not in FLOAT_DTYPES:
             raise PlanError(f"{train} is {ref.dtype}; EAGLE-4 tensors are F32, BF16 or F16", directory)
         tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))
@@ -231,12 +277,14 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
         "serving config.json:",
         *("  " + line for line in body.splitlines()),
     ]
-    return Plan(tensors, {"format": "pt"}, {"config.json": body.encode()}, source=ckpt, summary=summary,
-                single_file=True)  # fmt: skip
+    return Plan(
+        tensors, {"format": "pt"}, {"config.json": body.encode()}, source=ckpt, summary=summary, single_file=True
+    )
 
 
-def export_eagle4_draft(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
-                        dtype: str | None = None, force: bool = False) -> Path:  # fmt: skip
+def export_eagle4_draft(
+    checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, *, dtype: str | None = None, force: bool = False
+) -> Path:
     """Export the EAGLE-4 draft at ``checkpoint_dir`` into ``output_dir`` (``config.json`` and
     ``model.safetensors``), casting floating tensors to ``dtype`` if given. Returns
     ``output_dir``. Raises PlanError or OutputError before writing anything."""

@@ -148,7 +148,10 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """
     path = Path(path)
     with _gc_paused():
-        return _index(path)
+        try:
+            return _index(path)
+        except OSError as e:  # stat or open of a path we may not enter or read
+            raise CheckpointError(f"cannot read: {e.strerror}", e.filename or path) from None
 
 
 @contextmanager

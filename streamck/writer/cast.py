@@ -81,8 +81,17 @@ class Caster:
             per -= per % 4096
         return [(i, min(per, numel - i)) for i in range(0, numel, per)]
 
-    def cast(self, fd: int, offset: int, numel: int, src: str, dst: str, out: int, path: str,
-             progress: Callable[[int], None] = lambda n: None) -> int:  # fmt: skip
+    def cast(
+        self,
+        fd: int,
+        offset: int,
+        numel: int,
+        src: str,
+        dst: str,
+        out: int,
+        path: str,
+        progress: Callable[[int], None] = lambda n: None,
+    ) -> int:
         """Cast ``numel`` elements of ``src`` read from ``fd`` at ``offset``; append them as
         ``dst`` to ``out``. Returns how many finite values became infinite."""
         if self.device.type == "cuda":
@@ -94,8 +103,9 @@ class Caster:
             overflow += inf
         return overflow
 
-    def convert(self, fd: int, offset: int, numel: int, src: str, dst: str,
-                path: str) -> Iterator[tuple[memoryview, int, int]]:  # fmt: skip
+    def convert(
+        self, fd: int, offset: int, numel: int, src: str, dst: str, path: str
+    ) -> Iterator[tuple[memoryview, int, int]]:
         """On the CPU, step by step: (output bytes, source bytes consumed, new infinities).
         Each view is valid until the next step."""
 

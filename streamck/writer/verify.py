@@ -41,12 +41,14 @@ def verify_shard(shard: Shard, path: Path, caster_factory) -> None:
             fd = os.open(src.path, os.O_RDONLY)
             try:
                 pos = written.start
-                for expected, _, _ in caster_factory().convert(fd, src.start, src.numel, src.dtype, t.dtype,
-                                                               str(src.path)):  # fmt: skip
+                for expected, _, _ in caster_factory().convert(
+                    fd, src.start, src.numel, src.dtype, t.dtype, str(src.path)
+                ):
                     got = next(out_reader.chunks(written._replace(start=pos, end=pos + len(expected))))
                     if got != expected and not _nan_only(got, expected, t.dtype):
-                        raise OutputError(f"verification failed: {t.name} differs from a fresh cast of its source",
-                                          path)  # fmt: skip
+                        raise OutputError(
+                            f"verification failed: {t.name} differs from a fresh cast of its source", path
+                        )
                     pos += len(expected)
             finally:
                 os.close(fd)

@@ -1,0 +1,91 @@
+"""The malformed (and tricky but valid) files that streamck and the reference reader must judge alike."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+
+def _file(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def _t(dtype: str, shape: list, start: int, end: int, **extra) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [start, end], **extra}
+
+
+# name -> (file bytes, does the reference reader accept it?)
+CASES: dict[str, tuple[bytes, bool]] = {
+    "empty file": (b"", False),
+    "shorter than 8 bytes": (b"\x02\x00\x00", False),
+    "header length beyond the file": (_file(b"{}", length=64), False),
+    "header length above the cap": (_file(b"{}", length=100_000_001), False),
+    "header length 10^12": (_file(b"{}", length=10**12), False),
+    "header not UTF-8": (_file(b'{"\xff\xfe": 1}'), False),
+    "header not JSON": (_file(b"{nope"), False),
+    "header JSON array": (_file(b"[]"), False),
+    "header JSON string": (_file(b'"x"'), False),
+    "zero-length header": (_file(b""), False),
+    "NaN in header": (_file(b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": NaN}}', b"a"), False),
+    "UTF-8 BOM": (_file(b"\xef\xbb\xbf{}"), False),
+    "NUL padding": (_file(b"{}\x00\x00"), False),
+    "missing dtype": (_file({"a": {"shape": [1], "data_offsets": [0, 1]}}, b"a"), False),
+    "missing shape": (_file({"a": {"dtype": "U8", "data_offsets": [0, 1]}}, b"a"), False),
+    "missing data_offsets": (_file({"a": {"dtype": "U8", "shape": [1]}}, b"a"), False),
+    "entry not an object": (_file({"a": 5}), False),
+    "unknown dtype": (_file({"a": _t("Q4_K", [1], 0, 1)}, b"a"), False),
+    "lowercase dtype": (_file({"a": _t("f32", [1], 0, 4)}, b"abcd"), False),
+    "negative dim": (_file({"a": _t("U8", [-1], 0, 1)}, b"a"), False),
+    "float dim": (_file({"a": _t("U8", [1.0], 0, 1)}, b"a"), False),
+    "minus-zero dim": (_file(b'{"a": {"dtype": "U8", "shape": [-0], "data_offsets": [0, 0]}}'), False),
+    "bool dim": (_file({"a": _t("U8", [True], 0, 1)}, b"a"), False),
+    "string dim": (_file({"a": _t("U8", ["1"], 0, 1)}, b"a"), False),
+    "dim above u64": (_file({"a": _t("U8", [2**64], 0, 1)}, b"a"), False),
+    "shape overflows": (_file({"a": _t("U8", [2**32, 2**32], 0, 1)}, b"a"), False),
+    "three offsets": (_file({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1, 1]}}, b"a"), False),
+    "size disagrees with range": (_file({"a": _t("F32", [2], 0, 4)}, b"abcd"), False),
+    "offsets reversed": (_file({"a": _t("U8", [0], 1, 0)}, b"a"), False),
+    "beyond the data area": (_file({"a": _t("U8", [4], 0, 4)}, b"ab"), False),
+    "overlapping": (_file({"a": _t("U8", [2], 0, 2), "b": _t("U8", [2], 1, 3)}, b"abc"), False),
+    "gap": (_file({"a": _t("U8", [1], 0, 1), "b": _t("U8", [1], 2, 3)}, b"abc"), False),
+    "trailing bytes": (_file({"a": _t("U8", [1], 0, 1)}, b"ab"), False),
+    "truncated shard": (_file({"a": _t("F32", [256], 0, 1024)}, b"\0" * 1000), False),
+    "metadata not a map": (_file({"__metadata__": ["x"]}), False),
+    "metadata value not a string": (_file({"__metadata__": {"k": 1}}), False),
+    "metadata nested": (_file({"__metadata__": {"k": {"x": "y"}}}), False),
+    "duplicate field in entry": (
+        _file(b'{"a": {"dtype": "U8", "dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', b"a"),
+        False,
+    ),
+    "lone surrogate": (_file(b'{"\\ud800": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', b"a"), False),
+    "sub-byte not whole bytes": (_file({"a": _t("F4", [3], 0, 2)}, b"ab"), False),
+    # valid, as the reference reads them
+    "empty header": (_file(b"{}"), True),
+    "null metadata": (_file({"__metadata__": None}), True),
+    "zero-size tensor": (_file({"a": _t("F32", [0, 7], 0, 0)}), True),
+    "scalar": (_file({"a": _t("F64", [], 0, 8)}, b"\0" * 8), True),
+    "unknown extra fields": (_file({"a": _t("U8", [2], 0, 2, note=[1, {"x": None}], more="y")}, b"ab"), True),
+    "whitespace around JSON": (
+        _file(b'\n\t {"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}} \r\n', b"a"),
+        True,
+    ),
+    "unsorted offsets": (_file({"b": _t("U8", [1], 1, 2), "a": _t("U8", [1], 0, 1)}, b"ab"), True),
+    "empty name": (_file({"": _t("U8", [1], 0, 1)}, b"a"), True),
+    "unicode names": (_file({"模型.权重": _t("U8", [1], 0, 1)}, b"a"), True),
+    "F4 and F6 whole bytes": (_file({"a": _t("F4", [4], 0, 2), "b": _t("F6_E2M3", [4], 2, 5)}, b"abcde"), True),
+    "header length not a multiple of 8": (_file(b"{} "), True),
+}
+
+# The one documented disagreement: the reference keeps the last of two same-named
+# entries; streamck refuses the file.
+DUPLICATE_NAMES = _file(
+    b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
+    b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}',
+    b"ab",
+)
+DUPLICATE_NAMES_REF_ACCEPTS = _file(
+    b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}, '
+    b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+    b"a",
+)
