@@ -139,6 +139,38 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+def make_bin(path: Path, size: int, embed: int) -> Path:
+    """A torch.save zip checkpoint shaped like synth's: one large embedding, then layers."""
+    import torch
+    from synth import llama_tensors
+
+    state = {}
+    for name, shape in llama_tensors(size, embed, "F32"):
+        state[name] = torch.empty(shape).normal_()
+    torch.save(state, path)
+    os.sync()
+    return path
+
+
+@case
+def case_bin(a: argparse.Namespace, tmp: Path) -> str:
+    """PyTorch .bin -> model.safetensors: cp of the .bin, torch.load + save_file, streamck rewrite."""
+    size, embed = parse_size(a.size), parse_size(a.embed)
+    src = make_bin(tmp / "pytorch_model.bin", size, embed)
+    data = src.stat().st_size
+    out = tmp / "out.safetensors"
+    contenders = {
+        "cp + sync": lambda o: ["sh", "-c", f'cp "{src}" "{o}" && sync "{o}"'],
+        "torch.load + save_file": lambda o: [PY, str(HERE / "naive_bin.py"), str(src), str(o)],
+        "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o)),
+    }
+    runs = contend(contenders, out, a.reps, a.settle)
+    return (
+        f"Source: one {data / 2**30:.2f} GiB `torch.save` zip (F32, largest tensor {embed / 2**30:.2f} GiB). "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp + sync", data)
+    )
+
+
 @case
 def case_index(a: argparse.Namespace, tmp: Path) -> str:
     """Indexing 1,000 shards × 100 tensors vs reading and json-parsing the same headers."""

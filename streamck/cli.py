@@ -12,6 +12,7 @@ from streamck import manifest
 from streamck.errors import StreamckError
 from streamck.plan import BUILTIN_PLANS, Rule, Rules, compile_plan, load_rules
 from streamck.source import open_checkpoint
+from streamck.source.layout import pick_step
 from streamck.writer import parse_size, rewrite
 
 
@@ -42,18 +43,19 @@ class _AddRule(argparse.Action):
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.src)
+    ckpt = open_checkpoint(args.src, args.step)
     if args.json:
         sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
         return 0
     rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
     rows += [
         (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), os.path.relpath(t.path, ckpt.root))
-        for t in ckpt.tensors.values()
+        for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
     table(rows)
     print(
-        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s), {human(ckpt.total_size)} ({ckpt.total_size} bytes)"
+        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) under {ckpt.root}, {human(ckpt.total_size)} "
+        f"({ckpt.total_size} bytes)"
     )
     return 0
 
@@ -61,10 +63,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace):
     """The plan for ``rewrite``: a built-in one by name, or rules from a file and the command line."""
     cli_rules = Rules(tuple(args.rules or ()), args.dtype)
+    src = pick_step(Path(args.src), args.step) if args.step is not None else args.src
     if args.plan in BUILTIN_PLANS:
-        return BUILTIN_PLANS[args.plan](args.src, cli_rules)
+        return BUILTIN_PLANS[args.plan](src, cli_rules)
     base = load_rules(args.plan) if args.plan else Rules()
-    return compile_plan(open_checkpoint(args.src), base + cli_rules)
+    return compile_plan(open_checkpoint(src), base + cli_rules, copy_files=not args.no_copy_files)
 
 
 def _print_plan(plan) -> None:
@@ -90,6 +93,8 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         return 0
     if args.output is None:
         raise StreamckError("rewrite needs -o OUT (or --dry-run)")
+    if args.output == "-" and args.json:
+        raise StreamckError("-o - puts the checkpoint on stdout; --json cannot go there too")
     result = rewrite(
         plan,
         args.output,
@@ -145,11 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
     ls.add_argument("src", help="a .safetensors file or a checkpoint directory")
     ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    ls.add_argument("--step", help="in a training run root: checkpoint-<N>, or latest")
     ls.set_defaults(func=_cmd_ls)
 
     rw = sub.add_parser("rewrite", help="rename, filter and cast into a new checkpoint, streaming")
     rw.add_argument("src", help="a .safetensors file or a checkpoint directory")
-    rw.add_argument("-o", "--output", help="OUT.safetensors (one file) or a directory")
+    rw.add_argument("-o", "--output", help="OUT.safetensors (one file), a directory, or - for stdout")
+    rw.add_argument("--step", help="in a training run root: checkpoint-<N>, or latest")
     rules = rw.add_argument_group("rules, applied in the order given")
     rules.add_argument("--strip-prefix", dest="strip_prefix", metavar="P", action=_AddRule)
     rules.add_argument("--add-prefix", dest="add_prefix", metavar="P", action=_AddRule)
@@ -182,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
     rw.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where casts run (default cpu)")
     rw.add_argument("--force", action="store_true", help="replace an existing output")
+    rw.add_argument("--no-copy-files", action="store_true", help="do not copy config and tokenizer files along")
     rw.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")
     rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     rw.set_defaults(func=_cmd_rewrite, rules=None)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from streamck.dtypes import CASTABLE, nbytes
 from streamck.errors import PlanError
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
+from streamck.source.layout import SIDE_FILES
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +38,10 @@ class OutputTensor:
 class Plan:
     """Everything a rewrite writes: tensors, header metadata, and small files beside them.
 
-    ``summary`` holds lines a dry run prints above the tensor table; ``single_file``
-    forbids sharding (a plan whose consumer loads exactly one model.safetensors).
+    ``files`` must be written beside the tensors (so the output must be a directory);
+    ``side_files`` are copied there when it is one (config, tokenizer). ``summary``
+    holds lines a dry run prints above the tensor table; ``single_file`` forbids
+    sharding (a plan whose consumer loads exactly one model.safetensors).
     """
 
     tensors: list[OutputTensor]
@@ -46,6 +50,7 @@ class Plan:
     source: Checkpoint | None = None
     summary: list[str] = field(default_factory=list)
     single_file: bool = False
+    side_files: dict[str, Path] = field(default_factory=dict)
 
     @property
     def total_size(self) -> int:
@@ -64,20 +69,22 @@ def _listing(items: list[str], limit: int = 8) -> str:
 def resolve_dtype(rules: Rules, ref: TensorRef) -> str:
     """The dtype ``ref`` is written in under ``rules``; a --cast naming a non-float tensor is an error."""
     explicit = rules.cast_for(ref.name)
-    if explicit is not None:
-        if ref.dtype not in CASTABLE:
-            raise PlanError(f"--cast matches {ref.name!r}, a {ref.dtype} tensor, which is never cast")
-        return explicit
-    if rules.dtype is not None and ref.dtype in CASTABLE:
-        return rules.dtype
-    return ref.dtype
+    if explicit is not None and ref.dtype not in CASTABLE:
+        raise PlanError(f"--cast matches {ref.name!r}, a {ref.dtype} tensor, which is never cast")
+    dtype = explicit or (rules.dtype if rules.dtype is not None and ref.dtype in CASTABLE else ref.dtype)
+    if dtype != ref.dtype and ref.strides is not None:
+        raise PlanError(f"{ref.name!r} is a non-contiguous view in {ref.path.name}; casting such views is not "
+                        "supported (rewrite without a cast first)")  # fmt: skip
+    return dtype
 
 
-def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None) -> Plan:
+def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_files: bool = True) -> Plan:
     """Apply ``rules`` to every tensor of ``checkpoint`` and return the output plan.
 
-    Raises PlanError, before anything is written, when two tensors land on one
-    name, when nothing is left, or when a cast names a non-floating tensor.
+    With ``copy_files``, a directory checkpoint's config and tokenizer files go along
+    (copied when the output is a directory). Raises PlanError, before anything is
+    written, when two tensors land on one name, when nothing is left, or when a cast
+    names a non-floating tensor.
     """
     rules = rules or Rules()
     by_name: dict[str, list[str]] = defaultdict(list)
@@ -99,4 +106,7 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None) -> Plan:
     metadata = {**checkpoint.metadata}
     metadata.setdefault("format", "pt")
     tensors.sort(key=lambda t: t.name)
-    return Plan(tensors, metadata, source=checkpoint)
+    side = {}
+    if copy_files and checkpoint.path.is_dir():
+        side = {n: checkpoint.root / n for n in SIDE_FILES if (checkpoint.root / n).is_file()}
+    return Plan(tensors, metadata, source=checkpoint, side_files=side)

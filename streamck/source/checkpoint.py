@@ -10,12 +10,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
-
 from streamck.errors import CheckpointError
-from streamck.source.header import TensorRef, read_header
+from streamck.source.header import Header, TensorRef, read_header
+from streamck.source.layout import find_layout, pick_step
+from streamck.source.torchzip import read_torch_zip
 
-INDEX_NAME = "model.safetensors.index.json"
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +51,17 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
     def read(self, name: str) -> memoryview:
-        """Return tensor ``name``'s bytes as a read-only view of its memory-mapped shard."""
+        """Return tensor ``name``'s bytes as a read-only view of its memory-mapped shard
+        (a strided view for a non-contiguous torch view; ``bytes()`` gives row-major order)."""
         ref = self.tensors[name]
         if ref.nbytes == 0:
             return memoryview(b"")
         with open(ref.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if ref.strides is not None:
+            from streamck.source.strided import strided_array
+
+            return memoryview(strided_array(ref, mm))
         return memoryview(mm)[ref.start : ref.end]
 
     def check_unchanged(self) -> None:
@@ -70,63 +75,12 @@ class Checkpoint:
                 raise CheckpointError("source file changed during the run", path)
 
 
-def _load_index(index_path: Path) -> dict[str, str]:
-    try:
-        obj = orjson.loads(index_path.read_bytes())
-    except OSError as e:
-        raise CheckpointError(f"cannot read: {e.strerror}", index_path) from None
-    except orjson.JSONDecodeError as e:
-        raise CheckpointError(f"not valid JSON ({e})", index_path) from None
-    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError("has no 'weight_map' object of tensor name to shard file", index_path)
-    return weight_map
-
-
-def _shard_path(root: Path, name: str, index_path: Path) -> Path:
-    rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-        raise CheckpointError(f"shard path {name!r} escapes the checkpoint directory", index_path)
-    return root / rel
-
-
-def _from_index(root: Path, index_path: Path) -> tuple[list[Path], dict[str, Path]]:
-    """The shard files an index names, and each tensor's shard (one Path object per shard)."""
-    weight_map = _load_index(index_path)
-    by_name: dict[str, Path] = {}
-    by_path: dict[Path, Path] = {}
-    for shard in weight_map.values():
-        if shard not in by_name:
-            path = _shard_path(root, shard, index_path)
-            if not path.is_file():
-                raise CheckpointError(f"weight_map names shard {shard!r}, which does not exist", index_path)
-            by_name[shard] = by_path.setdefault(path, path)
-    return list(by_path), {name: by_name[shard] for name, shard in weight_map.items()}
-
-
-def _layout(path: Path) -> tuple[Path, list[Path], dict[str, Path] | None]:
-    """Find (root, shard files, weight_map or None) for any supported layout."""
-    if path.is_file():
-        return path.parent, [path], None
-    if not path.is_dir():
-        raise CheckpointError("no such file or directory", path)
-    if (path / INDEX_NAME).is_file():
-        return path, *_from_index(path, path / INDEX_NAME)
-    shards = sorted(p for p in path.glob("*.safetensors") if p.is_file())
-    if shards:
-        return path, shards, None
-    consolidated = path / "model" / "consolidated"
-    if consolidated.is_dir():
-        return _layout(consolidated)
-    raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files here", path)
-
-
-def _check_weight_map(weight_map: dict[str, Path], tensors: dict[str, TensorRef], root: Path) -> None:
+def _check_weight_map(weight_map: dict[str, Path], tensors: dict[str, TensorRef], index_path: Path) -> None:
     # Every tensor sits where the map says and the sizes agree: then the map is exact.
     get = weight_map.get
     if len(weight_map) == len(tensors) and all(get(t.name) is t.path for t in tensors.values()):
         return
-    index_path = root / INDEX_NAME
+    root = index_path.parent
     for name, shard in weight_map.items():
         ref = tensors.get(name)
         if ref is None or ref.path is not shard:
@@ -138,15 +92,19 @@ def _check_weight_map(weight_map: dict[str, Path], tensors: dict[str, TensorRef]
     raise CheckpointError(f"shard tensors missing from weight_map: {shown}{more}", index_path)
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, step: str | int | None = None) -> Checkpoint:
     """Index the checkpoint at ``path`` from its headers, without reading tensor data.
 
-    ``path`` may be one ``.safetensors`` file, a directory with
-    ``model.safetensors.index.json`` and its shards, a directory of
-    ``*.safetensors`` shards, or a training step directory whose weights are in
-    ``model/consolidated``. Raises CheckpointError for anything malformed.
+    ``path`` may be one ``.safetensors`` file or torch zip (``.bin``/``.pt``), a
+    directory with ``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
+    and its shards, a directory of ``*.safetensors`` or ``pytorch_model*.bin`` shards,
+    a step directory whose weights are in ``model/consolidated``, or, with ``step``
+    (a number or ``"latest"``), a run root of ``checkpoint-<step>`` folders.
+    Raises CheckpointError for anything malformed.
     """
     path = Path(path)
+    if step is not None:
+        path = pick_step(path, step)
     with _gc_paused():
         try:
             return _index(path)
@@ -167,13 +125,19 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _read_shard(path: Path) -> Header:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    return read_torch_zip(path) if magic == b"PK\x03\x04" or path.suffix in TORCH_SUFFIXES else read_header(path)
+
+
 def _index(path: Path) -> Checkpoint:
-    root, shard_paths, weight_map = _layout(path)
+    layout = find_layout(path)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
-    for shard in shard_paths:
-        header = read_header(shard)
+    for shard in layout.shards:
+        header = _read_shard(shard)
         files[shard] = FileStamp.of(shard)
         for key, value in header.metadata.items():
             metadata.setdefault(key, value)
@@ -182,6 +146,6 @@ def _index(path: Path) -> Checkpoint:
             if other is not None:
                 raise CheckpointError(f"tensor {ref.name!r} is also in {other.path.name}", shard)
             tensors[ref.name] = ref
-    if weight_map is not None:
-        _check_weight_map(weight_map, tensors, root)
-    return Checkpoint(path, root, tensors, metadata, files)
+    if layout.weight_map is not None:
+        _check_weight_map(layout.weight_map, tensors, layout.index)
+    return Checkpoint(path, layout.root, tensors, metadata, files)

@@ -28,7 +28,12 @@ _U64 = 1 << 64
 
 
 class TensorRef(NamedTuple):
-    """Where one tensor's bytes live: ``path[start:end]``, absolute offsets."""
+    """Where one tensor's bytes live: ``path[start:end]``, absolute offsets.
+
+    ``strides`` (in elements) is set only for a non-contiguous view saved by torch:
+    then ``start`` is its first element and ``end - start`` its logical size, and the
+    bytes must be gathered (streamck.source.strided).
+    """
 
     name: str
     dtype: str
@@ -36,6 +41,7 @@ class TensorRef(NamedTuple):
     path: Path
     start: int
     end: int
+    strides: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -193,7 +199,7 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
             in_order = in_order and start == end
             end = stop
             tensors.append(
-                _new_ref(TensorRef, (name, dtype, tuple(shape), path, data_start + start, data_start + stop))
+                _new_ref(TensorRef, (name, dtype, tuple(shape), path, data_start + start, data_start + stop, None))
             )
         if not in_order:  # writers usually list tensors by offset; others get sorted and checked
             tensors.sort(key=lambda t: (t.start, t.end))

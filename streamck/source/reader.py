@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from streamck.fileio import read_into
 from streamck.source.header import TensorRef
+from streamck.source.strided import gather
 
 READ_CHUNK = 16 << 20
 
@@ -21,7 +22,11 @@ class ChunkReader:
         self._fds: dict[str, int] = {}
 
     def chunks(self, ref: TensorRef, step: int | None = None) -> Iterator[memoryview]:
-        """The bytes of ``ref`` in pieces of ``step`` bytes (at most the chunk size)."""
+        """The bytes of ``ref`` in pieces of ``step`` bytes (at most the chunk size; a
+        non-contiguous torch view comes in gathered blocks of about that size)."""
+        if ref.strides is not None:
+            yield from gather(ref, step or self.chunk)
+            return
         path = os.fspath(ref.path)
         fd = self._fds.get(path)
         if fd is None:

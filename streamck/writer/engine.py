@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -12,6 +13,7 @@ from pathlib import Path
 from streamck.errors import OutputError, StreamckError
 from streamck.fileio import write_all
 from streamck.plan import Plan
+from streamck.source.strided import gather
 from streamck.writer.atomic import atomic_output, check_target, signals_as_exceptions
 from streamck.writer.copy import CHUNK, Copier
 from streamck.writer.layout import INDEX_NAME, Shard, index_bytes, plan_shards
@@ -120,6 +122,10 @@ class _Writer:
                 n = self.caster.cast(fd, src.start, src.numel, src.dtype, t.dtype, out, str(src.path), self.progress)
                 if n:
                     self.overflow[t.name] = n
+            elif src.strides is not None:  # a non-contiguous torch view: gathered, not copied
+                for block in gather(src, self.chunk):
+                    write_all(out, block)
+                    self.progress(len(block))
             else:
                 self.copier.copy(fd, src.start, src.nbytes, out, str(src.path), self.progress)
             if self.drop_cache:
@@ -172,9 +178,11 @@ def rewrite(
     under its final name only when complete and fsynced; on any error or signal
     nothing is left there. Raises StreamckError (OutputError for refused targets).
     """
-    out = Path(out)
     if header_align < 8 or header_align % 8:
         raise StreamckError(f"--header-align {header_align}: must be a positive multiple of 8")
+    if os.fspath(out) == "-":
+        return _to_stdout(plan, header_align, drop_cache, device, verify, chunk, max_shard_size, progress)
+    out = Path(out)
     single = is_file_target(out)
     if plan.single_file and max_shard_size is not None:
         raise OutputError("this plan writes exactly one model.safetensors; drop --max-shard-size", out)
@@ -205,6 +213,10 @@ def rewrite(
                     extras[INDEX_NAME] = index_bytes(shards)
                 for name, data in extras.items():
                     (tmp / name).write_bytes(data)
+                for name, path in plan.side_files.items():
+                    if name not in extras:
+                        shutil.copyfile(path, tmp / name)
+                for name in {*extras, *plan.side_files}:
                     fd = os.open(tmp / name, os.O_RDONLY)
                     os.fsync(fd)
                     os.close(fd)
@@ -213,7 +225,32 @@ def rewrite(
             raise OutputError(f"write failed: {e.strerror or e}", where) from None
         if plan.source is not None:
             plan.source.check_unchanged()
-    files = [out] if single else [out / s.filename for s in shards] + [out / n for n in plan.files]
+    files = [out] if single else [out / s.filename for s in shards] + [out / n for n in {*plan.files, *plan.side_files}]
     if len(shards) > 1:
         files.append(out / INDEX_NAME)
     return WriteResult(files, plan.total_size, writer.overflow)
+
+
+def _to_stdout(plan: Plan, header_align: int, drop_cache: bool, device: str | None, verify: bool, chunk: int,
+               max_shard_size: int | None, progress: bool) -> WriteResult:  # fmt: skip
+    """One safetensors file on stdout, strictly sequential (header first, no seeks)."""
+    refused = [what for what, bad in (("--max-shard-size", max_shard_size), ("--verify", verify),
+                                      (", ".join(plan.files), plan.files)) if bad]  # fmt: skip
+    if refused:
+        raise OutputError(f"cannot go to a stream: {refused[0]}", "-")
+    fd = sys.stdout.fileno()
+    if os.isatty(fd):
+        raise OutputError("refusing to write a binary checkpoint to a terminal; redirect or pipe it", "-")
+    sys.stdout.flush()
+    (shard,) = plan_shards(plan, "-", None, header_align)
+    bar = _Progress(plan.total_size, progress)
+    writer = _Writer(chunk, device, drop_cache=False, progress=bar)
+    try:
+        with signals_as_exceptions():
+            writer.write(shard, fd)
+    finally:
+        writer.close()
+        bar.close()
+    if plan.source is not None:
+        plan.source.check_unchanged()
+    return WriteResult([Path("-")], plan.total_size, writer.overflow)

@@ -1,0 +1,111 @@
+"""Which files of a checkpoint hold its weights, for every layout streamck reads."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from streamck.errors import CheckpointError
+
+# Index files, most preferred first; each names shards relative to its directory.
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Weight files found without an index. Trainer folders also hold optimizer.pt,
+# scheduler.pt, rng_state*.pth and training_args.bin: never weights, never matched.
+SHARD_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+CONSOLIDATED = Path("model", "consolidated")
+STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+# Small files that make a directory a loadable model; copied beside a directory output.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja", "preprocessor_config.json")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The weights of a checkpoint: ``root`` directory, shard files, and the index's
+    tensor → shard map (one Path object per shard) when there is an index."""
+
+    root: Path
+    shards: list[Path]
+    weight_map: dict[str, Path] | None = None
+    index: Path | None = None
+
+
+def _load_index(index_path: Path) -> dict[str, str]:
+    try:
+        obj = orjson.loads(index_path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise CheckpointError(f"not valid JSON ({e})", index_path) from None
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError("has no 'weight_map' object of tensor name to shard file", index_path)
+    return weight_map
+
+
+def _shard_path(root: Path, name: str, index_path: Path) -> Path:
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise CheckpointError(f"shard path {name!r} escapes the checkpoint directory", index_path)
+    return root / rel
+
+
+def _from_index(root: Path, index_path: Path) -> Layout:
+    weight_map = _load_index(index_path)
+    by_name: dict[str, Path] = {}
+    by_path: dict[Path, Path] = {}
+    for shard in weight_map.values():
+        if shard not in by_name:
+            path = _shard_path(root, shard, index_path)
+            if not path.is_file():
+                raise CheckpointError(f"weight_map names shard {shard!r}, which does not exist", index_path)
+            by_name[shard] = by_path.setdefault(path, path)
+    return Layout(root, list(by_path), {name: by_name[shard] for name, shard in weight_map.items()}, index_path)
+
+
+def steps(path: Path) -> dict[int, Path]:
+    """The ``checkpoint-<step>`` folders directly in ``path``, by step number."""
+    found = {}
+    for child in path.iterdir():
+        m = STEP_DIR.match(child.name)
+        if m and child.is_dir():
+            found[int(m.group(1))] = child
+    return dict(sorted(found.items()))
+
+
+def pick_step(path: Path, step: str | int) -> Path:
+    """``checkpoint-<step>`` in the run root ``path``; ``latest`` is the highest step number."""
+    found = steps(path) if path.is_dir() else {}
+    if not found:
+        raise CheckpointError("--step given, but there are no checkpoint-<step> folders here", path)
+    if step == "latest":
+        return found[max(found)]
+    try:
+        return found[int(step)]
+    except (KeyError, ValueError):
+        raise CheckpointError(f"no checkpoint-{step} (steps here: {', '.join(map(str, found))})", path) from None
+
+
+def find_layout(path: Path) -> Layout:
+    """Find the weights for any supported layout, or say what was looked for."""
+    if path.is_file():
+        return Layout(path.parent, [path])
+    if not path.is_dir():
+        raise CheckpointError("no such file or directory", path)
+    for name in INDEX_NAMES:
+        if (path / name).is_file():
+            return _from_index(path, path / name)
+    for pattern in SHARD_GLOBS:
+        shards = sorted(p for p in path.glob(pattern) if p.is_file())
+        if shards:
+            return Layout(path, shards)
+    if (path / CONSOLIDATED).is_dir():
+        return find_layout(path / CONSOLIDATED)
+    found = steps(path)
+    if found:
+        listed = ", ".join(map(str, found))
+        raise CheckpointError(f"a training run root with steps {listed}: pick one with --step N or --step latest",
+                              path)  # fmt: skip
+    raise CheckpointError(f"no weights here (looked for {', '.join(INDEX_NAMES + SHARD_GLOBS)})", path)
