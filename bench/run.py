@@ -171,25 +171,100 @@ def case_bin(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+def make_eagle4_draft(root: Path, scale: int) -> Path:
+    """A trained EAGLE-4 draft for a 70B target (H=8192, I=28672, V=128256, T=8192, A=3,
+    R=1024), every size divided by ``scale``, written as a step directory."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from eagle4_drafts import BASE_CONFIG, shapes
+    from synth import write_shard
+
+    H, I, V, R = 8192 // scale, 28672 // scale, 128256 // scale, 1024 // scale  # noqa: E741
+    config = {
+        **BASE_CONFIG,
+        "hidden_size": H,
+        "intermediate_size": I,
+        "vocab_size": V,
+        "efficient_lm_head_rank": R,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": H // 64,
+        "target_hidden_size": H,
+    }
+    directory = root / "model" / "consolidated"
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    block = os.urandom(16 << 20)
+    write_shard(directory / "model.safetensors", [(n, list(s)) for n, s in shapes(config).items()], "BF16", block)
+    os.sync()
+    return root
+
+
+@case
+def case_eagle4(a: argparse.Namespace, tmp: Path) -> str:
+    """--plan eagle4 export of a 70B-target draft (scaled down by --eagle-scale) vs cp of its files."""
+    src = make_eagle4_draft(tmp / "step", a.eagle_scale)
+    weights = src / "model" / "consolidated"
+    data = sum(p.stat().st_size for p in weights.iterdir())
+    contenders = {
+        "cp -r + sync": lambda o: ["sh", "-c", f'cp -r "{weights}" "{o}" && sync "{o}"/*'],
+        "streamck --plan eagle4": lambda o: streamck("rewrite", str(src), "-o", str(o), "--plan", "eagle4"),
+    }
+    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    return (
+        f"Draft for a 70B target with every size divided by {a.eagle_scale} (BF16, {data / 2**30:.2f} GiB). "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync", data)
+    )
+
+
+@case
+def case_lsdiff(a: argparse.Namespace, tmp: Path) -> str:
+    """`ls --json` and `diff` (headers only) on many shards and tensors, as a user runs them; torch stays out."""
+    root = make_many_shards(tmp / "many", a.shards, a.tensors)
+    (tmp / "golden.json").write_text(
+        subprocess.run(streamck("ls", str(root), "--json")[:-1], capture_output=True, text=True, check=True).stdout
+    )
+    probe = (
+        "import sys; from streamck.cli import main; main(sys.argv[1:]); "
+        "sys.stderr.write('torch imported' if 'torch' in sys.modules else 'torch not imported')"
+    )
+    contenders = {
+        "python -c pass (interpreter start)": lambda o: [PY, "-c", "pass"],
+        "streamck ls --json": lambda o: [PY, "-c", probe, "ls", str(root), "--json"],
+        "streamck diff golden.json CKPT": lambda o: [PY, "-c", probe, "diff", str(tmp / "golden.json"), str(root)],
+    }
+    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    check = subprocess.run(
+        [PY, "-c", probe, "diff", str(tmp / "golden.json"), str(root)], capture_output=True, text=True
+    )
+    return (
+        f"{a.shards} shards × {a.tensors} tensors, each command a child process. After `diff`: {check.stderr}.\n\n"
+        + table(runs, "python -c pass (interpreter start)", 0).replace("| 0.00 GB/s ", "| – ")
+    )
+
+
+def make_many_shards(root: Path, shards: int, per: int) -> Path:
+    root.mkdir()
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header = {"__metadata__": {"format": "pt"}}
+        for t in range(per):
+            key = f"model.layers.{s}.block.{t}.weight"
+            header[key] = {"dtype": "BF16", "shape": [2, 2], "data_offsets": [8 * t, 8 * t + 8]}
+            weight_map[key] = name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        (root / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8 * per))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return root
+
+
 @case
 def case_index(a: argparse.Namespace, tmp: Path) -> str:
     """Indexing 1,000 shards × 100 tensors vs reading and json-parsing the same headers."""
     sys.path.insert(0, str(HERE.parent))
     from streamck import open_checkpoint
 
-    root = tmp / "many"
-    root.mkdir()
-    weight_map = {}
-    for s in range(a.shards):
-        name = f"model-{s + 1:05d}-of-{a.shards:05d}.safetensors"
-        header = {"__metadata__": {"format": "pt"}}
-        for t in range(a.tensors):
-            key = f"model.layers.{s}.block.{t}.weight"
-            header[key] = {"dtype": "BF16", "shape": [2, 2], "data_offsets": [8 * t, 8 * t + 8]}
-            weight_map[key] = name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        (root / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8 * a.tensors))
-    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    root = make_many_shards(tmp / "many", a.shards, a.tensors)
     shards = sorted(root.glob("*.safetensors"))
 
     def baseline():
@@ -250,6 +325,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=10.0, help="seconds of idle before each timed child")
     p.add_argument("--shards", type=int, default=1000, help="index: shard count")
     p.add_argument("--tensors", type=int, default=100, help="index: tensors per shard")
+    p.add_argument("--eagle-scale", type=int, default=2, help="eagle4: divide the 70B-target draft's sizes by this")
     p.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md alone")
     a = p.parse_args()
     for name in a.cases or CASES:
