@@ -121,7 +121,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from streamck.compare import diff
+    from streamck.check import diff
 
     result = diff(args.a, args.b, ignore=tuple(args.ignore or ()), data=args.data)
     if args.json:
@@ -132,7 +132,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
-    from streamck.digest import hash_manifest
+    from streamck.check.digest import hash_manifest
 
     m = hash_manifest(open_checkpoint(args.src))
     text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())

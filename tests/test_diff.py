@@ -9,7 +9,7 @@ import pytest
 from helpers import llama_like, save, save_sharded
 
 from streamck import OutputError, Rules, compile_plan, open_checkpoint, rewrite
-from streamck.compare import collapse, diff
+from streamck.check import collapse, diff
 
 
 def streamck(*args):

@@ -15,7 +15,7 @@ from helpers import save
 from safetensors.torch import load, load_file
 
 from streamck import CheckpointError, PlanError, Rules, compile_plan, open_checkpoint, rewrite
-from streamck.compare import diff
+from streamck.check import diff
 
 
 def streamck(*args, **kw):
@@ -54,8 +54,10 @@ def assert_matches_torch_load(out_file, src_file, rename=lambda n: n):
     for name, t in expected.items():
         g = got[rename(name)]
         assert g.dtype == t.dtype and g.shape == t.shape, name
-        assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
-                           t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t), name
+        assert torch.equal(
+            g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+            t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+        ), name
 
 
 def test_bin_with_views_shared_and_tied_storages(tmp_path):
@@ -171,8 +173,9 @@ def test_run_root_needs_a_step(tmp_path):
 
 def test_step_latest_is_numeric_and_side_files_are_copied(tmp_path):
     run = make_run(tmp_path / "run")
-    proc = streamck("rewrite", run, "--step", "latest", "-o", tmp_path / "deploy", "--strip-prefix", "model.", "-q",
-                    text=True)
+    proc = streamck(
+        "rewrite", run, "--step", "latest", "-o", tmp_path / "deploy", "--strip-prefix", "model.", "-q", text=True
+    )
     assert proc.returncode == 0, proc.stderr
     deploy = tmp_path / "deploy"
     assert sorted(p.name for p in deploy.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
@@ -189,8 +192,11 @@ def test_step_latest_is_numeric_and_side_files_are_copied(tmp_path):
 def test_stdout_stream_is_a_valid_sequential_file(tmp_path):
     sd = tricky_state_dict()
     torch.save(sd, tmp_path / "m.bin")
-    piped = subprocess.run(f"{sys.executable} -m streamck rewrite {tmp_path / 'm.bin'} -o - --strip-prefix x | cat",
-                           shell=True, capture_output=True)
+    piped = subprocess.run(
+        f"{sys.executable} -m streamck rewrite {tmp_path / 'm.bin'} -o - --strip-prefix x | cat",
+        shell=True,
+        capture_output=True,
+    )
     assert piped.returncode == 0, piped.stderr
     rewrite(compile_plan(open_checkpoint(tmp_path / "m.bin")), tmp_path / "file.safetensors")
     assert piped.stdout == (tmp_path / "file.safetensors").read_bytes()

@@ -179,7 +179,7 @@ def collapse(names: list[str]) -> list[str]:
 
 
 def _compare_data(a: Checkpoint, b: Checkpoint, names: list[str]) -> list[DataDiff]:
-    from streamck.compare_data import compare_tensor
+    from streamck.check.data import compare_tensor
 
     found = ((name, compare_tensor(a.tensors[name], b.tensors[name])) for name in names)
     return [DataDiff(name, *d) for name, d in found if d is not None]
@@ -218,7 +218,7 @@ def diff(
 
 
 def _compare_digests(sa: Side, sb: Side, names: list[str]) -> list[str]:
-    from streamck.digest import ALGORITHM, tensor_digests
+    from streamck.check.digest import ALGORITHM, tensor_digests
 
     def digests(side: Side, other: Side) -> dict[str, str] | None:
         have = {n: e[ALGORITHM] for n, e in side.tensors.items() if ALGORITHM in e}
