@@ -97,16 +97,16 @@ class Caster:
         if self.device.type == "cuda":
             return self._cast_cuda(fd, offset, numel, src, dst, out, path, progress)
         overflow = 0
-        for view, consumed, inf in self.convert(fd, offset, numel, src, dst, path):
+        for view, inf in self.convert(fd, offset, numel, src, dst, path):
             write_all(out, view)
-            progress(consumed)
+            progress(len(view))
             overflow += inf
         return overflow
 
     def convert(
         self, fd: int, offset: int, numel: int, src: str, dst: str, path: str
-    ) -> Iterator[tuple[memoryview, int, int]]:
-        """On the CPU, step by step: (output bytes, source bytes consumed, new infinities).
+    ) -> Iterator[tuple[memoryview, int]]:
+        """On the CPU, step by step: (output bytes, finite values that became infinite).
         Each view is valid until the next step."""
 
         host_in, host_out, _, _ = self._slots[0]
@@ -119,7 +119,7 @@ class Caster:
             b = host_out[: k * di].view(ddt)
             b.copy_(a)
             inf = _new_infinities(a, b, dst) if check else 0
-            yield memoryview(host_out.numpy())[: k * di], k * si, inf
+            yield memoryview(host_out.numpy())[: k * di], inf
 
     def _cast_cuda(self, fd, offset, numel, src, dst, out, path, progress) -> int:
         # Two slots: while the GPU moves and casts chunk i, the host writes chunk i-1
@@ -137,7 +137,7 @@ class Caster:
             slot, k, event = pending.pop(0)
             event.synchronize()
             write_all(out, memoryview(self._slots[slot][1].numpy())[: k * di])
-            progress(k * si)
+            progress(k * di)
 
         for i, (start, k) in enumerate(self._steps(numel, src, dst)):
             slot = i % 2

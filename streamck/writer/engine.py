@@ -5,21 +5,17 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamck.errors import OutputError, StreamckError
-from streamck.fileio import write_all
 from streamck.plan import Plan
-from streamck.source.strided import gather
 from streamck.writer.atomic import atomic_output, check_target, signals_as_exceptions
-from streamck.writer.copy import CHUNK, Copier
+from streamck.writer.copy import CHUNK
 from streamck.writer.layout import INDEX_NAME, Shard, index_bytes, plan_shards
+from streamck.writer.shardwriter import Progress, ShardWriter
 from streamck.writer.verify import verify_shard
-
-_DROP_EVERY = 256 << 20
 
 
 @dataclass
@@ -61,99 +57,6 @@ def is_file_target(out: Path) -> bool:
     return out.name.endswith(".safetensors")
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                file=sys.stderr,
-                dynamic_ncols=True,
-                leave=False,
-            )
-
-    def __call__(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-class _Writer:
-    """Streams shards into files; one per rewrite, holding the source fds and the movers."""
-
-    def __init__(self, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
-        self.copier = Copier(chunk)
-        self.caster = None
-        self.chunk, self.device = chunk, device
-        self.drop_cache = drop_cache
-        self.progress = progress
-        self.fds: dict[Path, int] = {}
-        self.overflow: dict[str, int] = {}
-        self._cpu_caster = None
-
-    def _fd(self, path: Path) -> int:
-        if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
-        return self.fds[path]
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-    def write(self, shard: Shard, out: int) -> None:
-        write_all(out, shard.header)
-        since_drop = 0
-        for t in shard.tensors:
-            src = t.source
-            fd = self._fd(src.path)
-            if t.is_cast:
-                if self.caster is None:
-                    from streamck.writer.cast import CAST_CHUNK, Caster
-
-                    self.caster = Caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
-                n = self.caster.cast(fd, src.start, src.numel, src.dtype, t.dtype, out, str(src.path), self.progress)
-                if n:
-                    self.overflow[t.name] = n
-            elif src.strides is not None:  # a non-contiguous torch view: gathered, not copied
-                for block in gather(src, self.chunk):
-                    write_all(out, block)
-                    self.progress(len(block))
-            else:
-                self.copier.copy(fd, src.start, src.nbytes, out, str(src.path), self.progress)
-            if self.drop_cache:
-                os.posix_fadvise(fd, src.start, src.nbytes, os.POSIX_FADV_DONTNEED)
-                since_drop += t.nbytes
-                if since_drop >= _DROP_EVERY:
-                    os.fdatasync(out)  # only clean pages can be dropped
-                    os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
-                    since_drop = 0
-
-    def cpu_caster(self):
-        from streamck.writer.cast import CAST_CHUNK, Caster
-
-        if self._cpu_caster is None:
-            self._cpu_caster = Caster(min(self.chunk, CAST_CHUNK), "cpu")
-        return self._cpu_caster
-
-    def write_file(self, shard: Shard, path: Path) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            self.write(shard, fd)
-            os.fsync(fd)
-            if self.drop_cache:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def rewrite(
     plan: Plan,
     out: str | os.PathLike,
@@ -181,7 +84,7 @@ def rewrite(
     if header_align < 8 or header_align % 8:
         raise StreamckError(f"--header-align {header_align}: must be a positive multiple of 8")
     if os.fspath(out) == "-":
-        return _to_stdout(plan, header_align, drop_cache, device, verify, chunk, max_shard_size, progress)
+        return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
     out = Path(out)
     single = is_file_target(out)
     if plan.single_file and max_shard_size is not None:
@@ -193,8 +96,8 @@ def rewrite(
     sources = list(plan.source.files) if plan.source else []
     check_target(out, sources, is_dir=not single, force=force)
     shards = plan_shards(plan, out.name if single else "model.safetensors", max_shard_size, header_align)
-    bar = _Progress(plan.total_size, progress)
-    writer = _Writer(chunk, device, drop_cache, bar)
+    bar = Progress(plan.total_size, progress)
+    writer = ShardWriter(chunk, device, drop_cache, bar)
     with ExitStack() as stack:
         stack.enter_context(signals_as_exceptions())
         stack.callback(bar.close)
@@ -207,44 +110,55 @@ def rewrite(
             if verify:
                 for shard, path in zip(shards, paths, strict=True):
                     verify_shard(shard, path, writer.cpu_caster)
-            if not single:
-                extras = dict(plan.files)
-                if len(shards) > 1:
-                    extras[INDEX_NAME] = index_bytes(shards)
-                for name, data in extras.items():
-                    (tmp / name).write_bytes(data)
-                for name, path in plan.side_files.items():
-                    if name not in extras:
-                        shutil.copyfile(path, tmp / name)
-                for name in {*extras, *plan.side_files}:
-                    fd = os.open(tmp / name, os.O_RDONLY)
-                    os.fsync(fd)
-                    os.close(fd)
+            extras = [] if single else _write_extras(plan, shards, tmp)
         except OSError as e:
             where = e.filename or out
             raise OutputError(f"write failed: {e.strerror or e}", where) from None
         if plan.source is not None:
             plan.source.check_unchanged()
-    files = [out] if single else [out / s.filename for s in shards] + [out / n for n in {*plan.files, *plan.side_files}]
-    if len(shards) > 1:
-        files.append(out / INDEX_NAME)
+    files = [out] if single else [out / s.filename for s in shards] + [out / n for n in extras]
     return WriteResult(files, plan.total_size, writer.overflow)
 
 
-def _to_stdout(plan: Plan, header_align: int, drop_cache: bool, device: str | None, verify: bool, chunk: int,
-               max_shard_size: int | None, progress: bool) -> WriteResult:  # fmt: skip
+def _write_extras(plan: Plan, shards: list[Shard], directory: Path) -> list[str]:
+    """The index (when sharded), the plan's files and its side files, fsynced; their names."""
+    files = dict(plan.files)
+    if len(shards) > 1:
+        files[INDEX_NAME] = index_bytes(shards)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    copied = [n for n in plan.side_files if n not in files]
+    for name in copied:
+        shutil.copyfile(plan.side_files[name], directory / name)
+    for name in [*files, *copied]:
+        fd = os.open(directory / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return sorted([*files, *copied])
+
+
+def _to_stdout(
+    plan: Plan,
+    header_align: int,
+    device: str | None,
+    verify: bool,
+    chunk: int,
+    max_shard_size: int | None,
+    progress: bool,
+) -> WriteResult:
     """One safetensors file on stdout, strictly sequential (header first, no seeks)."""
-    refused = [what for what, bad in (("--max-shard-size", max_shard_size), ("--verify", verify),
-                                      (", ".join(plan.files), plan.files)) if bad]  # fmt: skip
-    if refused:
-        raise OutputError(f"cannot go to a stream: {refused[0]}", "-")
+    if max_shard_size is not None or verify or plan.files:
+        what = "--max-shard-size" if max_shard_size is not None else "--verify" if verify else ", ".join(plan.files)
+        raise OutputError(f"a stream holds one safetensors file and cannot be re-read: drop {what}", "-")
     fd = sys.stdout.fileno()
     if os.isatty(fd):
         raise OutputError("refusing to write a binary checkpoint to a terminal; redirect or pipe it", "-")
     sys.stdout.flush()
     (shard,) = plan_shards(plan, "-", None, header_align)
-    bar = _Progress(plan.total_size, progress)
-    writer = _Writer(chunk, device, drop_cache=False, progress=bar)
+    bar = Progress(plan.total_size, progress)
+    writer = ShardWriter(chunk, device, drop_cache=False, progress=bar)
     try:
         with signals_as_exceptions():
             writer.write(shard, fd)

@@ -41,7 +41,7 @@ def verify_shard(shard: Shard, path: Path, caster_factory) -> None:
             fd = os.open(src.path, os.O_RDONLY)
             try:
                 pos = written.start
-                for expected, _, _ in caster_factory().convert(
+                for expected, _ in caster_factory().convert(
                     fd, src.start, src.numel, src.dtype, t.dtype, str(src.path)
                 ):
                     got = next(out_reader.chunks(written._replace(start=pos, end=pos + len(expected))))

@@ -1,0 +1,113 @@
+"""Moving one shard's bytes: its header, then every tensor copied, gathered or cast."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from streamck.fileio import write_all
+from streamck.source.strided import gather
+from streamck.writer.copy import Copier
+from streamck.writer.layout import Shard
+
+_DROP_EVERY = 256 << 20
+
+
+class Progress:
+    """A tqdm byte counter on stderr, or nothing."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                leave=False,
+            )
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class ShardWriter:
+    """Streams shards into fds: header, then each tensor copied, gathered or cast.
+
+    One per rewrite: it keeps the source fds open and its buffers for reuse.
+    """
+
+    def __init__(self, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
+        self.copier = Copier(chunk)
+        self.caster = None
+        self.chunk, self.device = chunk, device
+        self.drop_cache = drop_cache
+        self.progress = progress
+        self.fds: dict[Path, int] = {}
+        self.overflow: dict[str, int] = {}
+        self._cpu_caster = None
+
+    def _fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+    def write(self, shard: Shard, out: int) -> None:
+        write_all(out, shard.header)
+        since_drop = 0
+        for t in shard.tensors:
+            src = t.source
+            fd = self._fd(src.path)
+            if t.is_cast:
+                if self.caster is None:
+                    from streamck.writer.cast import CAST_CHUNK, Caster
+
+                    self.caster = Caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
+                n = self.caster.cast(fd, src.start, src.numel, src.dtype, t.dtype, out, str(src.path), self.progress)
+                if n:
+                    self.overflow[t.name] = n
+            elif src.strides is not None:  # a non-contiguous torch view: gathered, not copied
+                for block in gather(src, self.chunk):
+                    write_all(out, block)
+                    self.progress(len(block))
+            else:
+                self.copier.copy(fd, src.start, src.nbytes, out, str(src.path), self.progress)
+            if self.drop_cache:
+                os.posix_fadvise(fd, src.start, src.nbytes, os.POSIX_FADV_DONTNEED)
+                since_drop += t.nbytes
+                if since_drop >= _DROP_EVERY:
+                    os.fdatasync(out)  # only clean pages can be dropped
+                    os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
+                    since_drop = 0
+
+    def cpu_caster(self):
+        from streamck.writer.cast import CAST_CHUNK, Caster
+
+        if self._cpu_caster is None:
+            self._cpu_caster = Caster(min(self.chunk, CAST_CHUNK), "cpu")
+        return self._cpu_caster
+
+    def write_file(self, shard: Shard, path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self.write(shard, fd)
+            os.fsync(fd)
+            if self.drop_cache:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
