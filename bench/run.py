@@ -139,6 +139,29 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_cuda(a: argparse.Namespace, tmp: Path) -> str:
+    """F32 -> BF16 cast with --device cpu vs --device cuda (skipped without a GPU)."""
+    probe = subprocess.run([PY, "-c", "import torch; print(torch.cuda.is_available() and "
+                            "torch.cuda.get_device_name(0))"], capture_output=True, text=True)  # fmt: skip
+    gpu = probe.stdout.strip()
+    if probe.returncode != 0 or gpu in ("", "False"):
+        return "Not measured: no CUDA device on the machine that ran this (torch.cuda.is_available() is False)."
+    size, embed = parse_size(a.size), parse_size(a.embed)
+    big = make_checkpoint(tmp / "big", size, embed)
+    data = sum(p.stat().st_size for p in big.glob("*.safetensors"))
+
+    def cast(device: str) -> Callable[[Path], list[str]]:
+        return lambda o: streamck("rewrite", str(big), "-o", str(o), "--dtype", "bf16", "--device", device)
+
+    contenders = {"cp -r + sync (source)": cp_fsync(big), "streamck --device cpu": cast("cpu"),
+                  "streamck --device cuda": cast("cuda")}  # fmt: skip
+    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    return f"GPU: {gpu}. Checkpoint: {data / 2**30:.2f} GiB F32 → BF16. {a.reps} interleaved reps.\n\n" + table(
+        runs, "cp -r + sync (source)", data
+    )
+
+
 def make_bin(path: Path, size: int, embed: int) -> Path:
     """A torch.save zip checkpoint shaped like synth's: one large embedding, then layers."""
     import torch
