@@ -48,27 +48,26 @@ def contend(contenders: dict[str, Callable[[Path], list[str]]], out: Path, reps:
             runs[label].walls.append(wall)
             runs[label].rss.append(rss)
             print(f"  rep {rep + 1}/{reps} {label:<28} {wall:7.2f} s {mib(rss):>9}", file=sys.stderr)
-            shutil.rmtree(out, ignore_errors=True)
-            out.unlink(missing_ok=True) if out.is_file() else None
+            if out.is_dir():
+                shutil.rmtree(out)
+            elif out.exists():
+                out.unlink()
     return runs
 
 
-def table(runs: dict[str, Runs], base: str, data_bytes: int) -> str:
+def table(runs: dict[str, Runs], base: str, data_bytes: int | None = None) -> str:
+    """Markdown: median wall, ratio to ``base``, throughput of ``data_bytes``, peak RSS, every run."""
     b = runs[base].wall
-    rows = [
-        "| contender | wall (median) | × " + base + " | throughput | peak RSS | runs |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = [f"| contender | wall (median) | × {base} | throughput | peak RSS | runs |", "|---|---|---|---|---|---|"]
     for r in runs.values():
-        rows.append(
-            f"| {r.label} | {r.wall:.2f} s | {r.wall / b:.2f} | {data_bytes / r.wall / 1e9:.2f} GB/s "
-            f"| {mib(r.peak)} | {', '.join(f'{w:.2f}' for w in r.walls)} |"
-        )
+        rate = f"{data_bytes / r.wall / 1e9:.2f} GB/s" if data_bytes else "–"
+        walls = ", ".join(f"{w:.2f}" for w in r.walls)
+        rows.append(f"| {r.label} | {r.wall:.2f} s | {r.wall / b:.2f} | {rate} | {mib(r.peak)} | {walls} |")
     return "\n".join(rows)
 
 
 def streamck(*args: str) -> list[str]:
-    return [PY, "-m", "streamck", *args, "-q"]
+    return [PY, "-m", "streamck", *args]
 
 
 def cp_fsync(src: Path) -> Callable[[Path], list[str]]:
@@ -86,10 +85,10 @@ def case_rewrite(a: argparse.Namespace, tmp: Path) -> str:
     contenders = {
         "cp -r + sync": cp_fsync(big),
         "safetensors load/save": lambda o: [PY, str(HERE / "naive.py"), str(big), str(o)],
-        "streamck rewrite": lambda o: streamck("rewrite", str(big), "-o", str(o), "--strip-prefix", "model."),
+        "streamck rewrite": lambda o: streamck("rewrite", str(big), "-o", str(o), "--strip-prefix", "model.", "-q"),
     }
     runs = contend(contenders, out, a.reps, a.settle)
-    _, s_rss = run_child(streamck("rewrite", str(small), "-o", str(out), "--strip-prefix", "model."), a.settle)
+    _, s_rss = run_child(streamck("rewrite", str(small), "-o", str(out), "--strip-prefix", "model.", "-q"), a.settle)
     shutil.rmtree(out)
     return (
         f"Checkpoint: {data / 2**30:.2f} GiB in {len(list(big.glob('*.safetensors')))} shards, largest tensor "
@@ -111,7 +110,9 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
     out = tmp / "out"
 
     def rw(src):
-        return lambda o: streamck("rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--dtype", "bf16")
+        return lambda o: streamck(
+            "rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--dtype", "bf16", "-q"
+        )
 
     contenders = {
         "cp -r + sync (source)": cp_fsync(big),
@@ -152,7 +153,7 @@ def case_cuda(a: argparse.Namespace, tmp: Path) -> str:
     data = sum(p.stat().st_size for p in big.glob("*.safetensors"))
 
     def cast(device: str) -> Callable[[Path], list[str]]:
-        return lambda o: streamck("rewrite", str(big), "-o", str(o), "--dtype", "bf16", "--device", device)
+        return lambda o: streamck("rewrite", str(big), "-o", str(o), "--dtype", "bf16", "--device", device, "-q")
 
     contenders = {"cp -r + sync (source)": cp_fsync(big), "streamck --device cpu": cast("cpu"),
                   "streamck --device cuda": cast("cuda")}  # fmt: skip
@@ -185,7 +186,7 @@ def case_bin(a: argparse.Namespace, tmp: Path) -> str:
     contenders = {
         "cp + sync": lambda o: ["sh", "-c", f'cp "{src}" "{o}" && sync "{o}"'],
         "torch.load + save_file": lambda o: [PY, str(HERE / "naive_bin.py"), str(src), str(o)],
-        "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o)),
+        "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
     }
     runs = contend(contenders, out, a.reps, a.settle)
     return (
@@ -230,7 +231,7 @@ def case_eagle4(a: argparse.Namespace, tmp: Path) -> str:
     data = sum(p.stat().st_size for p in weights.iterdir())
     contenders = {
         "cp -r + sync": lambda o: ["sh", "-c", f'cp -r "{weights}" "{o}" && sync "{o}"/*'],
-        "streamck --plan eagle4": lambda o: streamck("rewrite", str(src), "-o", str(o), "--plan", "eagle4"),
+        "streamck --plan eagle4": lambda o: streamck("rewrite", str(src), "-o", str(o), "--plan", "eagle4", "-q"),
     }
     runs = contend(contenders, tmp / "out", a.reps, a.settle)
     return (
@@ -244,7 +245,7 @@ def case_lsdiff(a: argparse.Namespace, tmp: Path) -> str:
     """`ls --json` and `diff` (headers only) on many shards and tensors, as a user runs them; torch stays out."""
     root = make_many_shards(tmp / "many", a.shards, a.tensors)
     (tmp / "golden.json").write_text(
-        subprocess.run(streamck("ls", str(root), "--json")[:-1], capture_output=True, text=True, check=True).stdout
+        subprocess.run(streamck("ls", str(root), "--json"), capture_output=True, text=True, check=True).stdout
     )
     probe = (
         "import sys; from streamck.cli import main; main(sys.argv[1:]); "
