@@ -1,6 +1,8 @@
 """The writer: byte identity with the reference, sharding, alignment, atomicity."""
 
 import json
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -203,3 +205,32 @@ def test_truncated_source_is_an_error(tmp_path):
 )
 def test_parse_size(text, value):
     assert parse_size(text) == value
+
+
+def resident_bytes(path) -> int:
+
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return int(out.split()[0])
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_drop_cache_releases_read_and_written_pages(tmp_path, monkeypatch, drop):
+    import streamck.writer.shardwriter as sw
+
+    monkeypatch.setattr(sw, "_DROP_EVERY", 1 << 20)  # exercise the periodic flush too
+    tensors = {f"t{i}": np.random.default_rng(i).standard_normal(1 << 18).astype(np.float32) for i in range(8)}
+    src = save(tmp_path / "s.safetensors", tensors)  # 8 MiB, just written: in the page cache
+    fd = os.open(src, os.O_RDONLY)
+    os.fsync(fd)  # clean, as a checkpoint on disk is: only clean pages can be dropped
+    os.close(fd)
+    run(src, tmp_path / "o.safetensors", drop_cache=drop)
+    size = (tmp_path / "o.safetensors").stat().st_size
+    resident = resident_bytes(tmp_path / "o.safetensors"), resident_bytes(src)
+    if drop:
+        assert max(resident) < size // 10
+    else:  # the control: without the flag the pages stay, so the check above can fail
+        assert min(resident) > size // 2
+    got = read_all(tmp_path / "o.safetensors")
+    assert all(np.array_equal(got[k], v) for k, v in tensors.items())
