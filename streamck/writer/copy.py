@@ -15,7 +15,13 @@ from streamck.errors import CheckpointError
 from streamck.fileio import read_into, write_all
 
 CHUNK = 64 << 20
+# Errors that mean "this way of copying does not work between these two files".
 _FALLBACK = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.ESPIPE}
+# Kernel-side copies, appending at dst's position: (src, dst, count, src offset) -> bytes copied.
+_KERNEL = {
+    "copy_file_range": lambda src, dst, count, offset: os.copy_file_range(src, dst, count, offset),
+    "sendfile": lambda src, dst, count, offset: os.sendfile(dst, src, offset, count),
+}
 
 
 class Copier:
@@ -39,22 +45,14 @@ class Copier:
             progress(n)
 
     def _step(self, src: int, offset: int, count: int, dst: int, path: str) -> int:
-        if self._mode == "copy_file_range":
+        while self._mode != "buffer":
             try:
-                n = os.copy_file_range(src, dst, count, offset)
+                n = _KERNEL[self._mode](src, dst, count, offset)
+                break
             except OSError as e:
                 if e.errno not in _FALLBACK:
                     raise
-                self._mode = "sendfile"
-                return self._step(src, offset, count, dst, path)
-        elif self._mode == "sendfile":
-            try:
-                n = os.sendfile(dst, src, offset, count)
-            except OSError as e:
-                if e.errno not in _FALLBACK:
-                    raise
-                self._mode = "buffer"
-                return self._step(src, offset, count, dst, path)
+                self._mode = self.MODES[self.MODES.index(self._mode) + 1]  # not here: try the next way
         else:
             if self._buffer is None:
                 self._buffer = bytearray(self.chunk)
