@@ -227,7 +227,7 @@ def test_cli_export_and_dry_run(tmp_path):
 
     dry = run("-o", str(tmp_path / "x"), "--plan", "eagle4", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert "EAGLE-4 draft: H=16, T=16, A=3, nh=4, nkv=4, d=4, I=40, V=50, R=6" in dry.stdout
+    assert "EAGLE-4 draft: H=16, T=16, A=3, heads=4, kv_heads=4, head_dim=4, I=40, V=50, R=6" in dry.stdout
     assert '"architectures": [' in dry.stdout and "model.fc.weight" in dry.stdout
     assert not (tmp_path / "x").exists()
     proc = run("-o", str(tmp_path / "x"), "--plan", "eagle4", "-q")

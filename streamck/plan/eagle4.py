@@ -71,6 +71,18 @@ SYMBOLS = {
     "R": "efficient_lm_head_rank",
 }
 
+STRUCTURE_LABELS = {
+    "H": "H",
+    "T": "T",
+    "A": "A",
+    "nh": "heads",
+    "nkv": "kv_heads",
+    "d": "head_dim",
+    "I": "I",
+    "V": "V",
+    "R": "R",
+}
+
 # (serving key, training key, shape as products of symbols)
 TENSORS = (
     ("fc.weight", "model.fc.weight", ("H", "A*T")),
@@ -272,7 +284,7 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
     tensors.sort(key=lambda t: t.name)
     body = json.dumps(serving_config(config, rules.dtype), indent=2, sort_keys=True) + "\n"
     summary = [
-        "EAGLE-4 draft: " + ", ".join(f"{k}={symbols[k]}" for k in ("H", "T", "A", "nh", "nkv", "d", "I", "V", "R")),
+        "EAGLE-4 draft: " + ", ".join(f"{label}={symbols[k]}" for k, label in STRUCTURE_LABELS.items()),
         f"checkpoint: {directory}",
         "serving config.json:",
         *("  " + line for line in body.splitlines()),
