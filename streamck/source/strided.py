@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from streamck.source.header import TensorRef
+
+if TYPE_CHECKING:  # numpy is imported where a view is gathered, not by every rewrite
+    import numpy as np
 
 
 def strided_array(ref: TensorRef, mm: mmap.mmap) -> np.ndarray:
     """``ref`` as a read-only numpy view of the mapped file (elements as unsigned ints)."""
+    import numpy as np
+
     item = (ref.end - ref.start) // max(1, _numel(ref.shape))
     span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides, strict=True))
     base = np.frombuffer(mm, dtype=np.dtype(f"<u{item}"), count=span, offset=ref.start)
@@ -26,6 +30,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _blocks(view: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
+    import numpy as np
+
     if view.ndim == 0 or view.nbytes <= chunk:
         yield np.ascontiguousarray(view)
         return
@@ -42,6 +48,8 @@ def _blocks(view: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
 def gather(ref: TensorRef, chunk: int) -> Iterator[memoryview]:
     """The bytes of the strided tensor ``ref`` in row-major order, in blocks of about
     ``chunk`` bytes. Mapped pages are released after each block, so RSS stays bounded."""
+    import numpy as np
+
     with open(ref.path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:

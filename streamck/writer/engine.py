@@ -14,7 +14,7 @@ from streamck.plan import Plan
 from streamck.writer.atomic import atomic_output, check_target, signals_as_exceptions
 from streamck.writer.copy import CHUNK
 from streamck.writer.layout import INDEX_NAME, Shard, index_bytes, plan_shards
-from streamck.writer.shardwriter import Progress, ShardWriter
+from streamck.writer.shardwriter import Progress, ShardWriter, Syncer
 from streamck.writer.verify import verify_shard
 
 
@@ -98,15 +98,19 @@ def rewrite(
     shards = plan_shards(plan, out.name if single else "model.safetensors", max_shard_size, header_align)
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache, bar)
+    syncer = Syncer(drop_cache)
     with ExitStack() as stack:
         stack.enter_context(signals_as_exceptions())
         stack.callback(bar.close)
         stack.callback(writer.close)
+        stack.callback(syncer.close)
         tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
         try:
             paths = [tmp] if single else [tmp / s.filename for s in shards]
             for shard, path in zip(shards, paths, strict=True):
                 writer.write_file(shard, path)
+                syncer.submit(path)
+            syncer.wait()
             if verify:
                 for shard, path in zip(shards, paths, strict=True):
                     verify_shard(shard, path, writer.cpu_caster)
