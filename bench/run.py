@@ -127,6 +127,7 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
         inmem.append(float(proc.stdout))
     _, s_rss = run_child(rw(small)(out), a.settle)
     shutil.rmtree(out)
+    _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
     base = runs["cp -r + sync (source)"].wall
     return (
         f"Checkpoint: {data / 2**30:.2f} GiB F32 in {len(list(big.glob('*.safetensors')))} shards, largest "
@@ -136,15 +137,16 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
         f"median {statistics.median(inmem):.2f} s = {statistics.median(inmem) / base:.2f} × cp, "
         f"{data / statistics.median(inmem) / 1e9:.2f} GB/s.\n\n"
         f"streamck peak RSS: {mib(s_rss)} at {size // 4 / 2**30:.2f} GiB (largest tensor "
-        f"{embed // 4 / 2**30:.2f} GiB) vs {mib(runs['streamck --dtype bf16'].peak)} at {size / 2**30:.2f} GiB."
+        f"{embed // 4 / 2**30:.2f} GiB) vs {mib(runs['streamck --dtype bf16'].peak)} at {size / 2**30:.2f} GiB; "
+        f"`python -c 'import torch'` alone peaks at {mib(torch_rss)}."
     )
 
 
 @case
 def case_cuda(a: argparse.Namespace, tmp: Path) -> str:
     """F32 -> BF16 cast with --device cpu vs --device cuda (skipped without a GPU)."""
-    probe = subprocess.run([PY, "-c", "import torch; print(torch.cuda.is_available() and "
-                            "torch.cuda.get_device_name(0))"], capture_output=True, text=True)  # fmt: skip
+    code = "import torch; print(torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+    probe = subprocess.run([PY, "-c", code], capture_output=True, text=True)
     gpu = probe.stdout.strip()
     if probe.returncode != 0 or gpu in ("", "False"):
         return "Not measured: no CUDA device on the machine that ran this (torch.cuda.is_available() is False)."
