@@ -157,8 +157,11 @@ def case_cuda(a: argparse.Namespace, tmp: Path) -> str:
     def cast(device: str) -> Callable[[Path], list[str]]:
         return lambda o: streamck("rewrite", str(big), "-o", str(o), "--dtype", "bf16", "--device", device, "-q")
 
-    contenders = {"cp -r + sync (source)": cp_fsync(big), "streamck --device cpu": cast("cpu"),
-                  "streamck --device cuda": cast("cuda")}  # fmt: skip
+    contenders = {
+        "cp -r + sync (source)": cp_fsync(big),
+        "streamck --device cpu": cast("cpu"),
+        "streamck --device cuda": cast("cuda"),
+    }
     runs = contend(contenders, tmp / "out", a.reps, a.settle)
     return f"GPU: {gpu}. Checkpoint: {data / 2**30:.2f} GiB F32 → BF16. {a.reps} interleaved reps.\n\n" + table(
         runs, "cp -r + sync (source)", data

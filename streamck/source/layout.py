@@ -18,9 +18,19 @@ SHARD_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 CONSOLIDATED = Path("model", "consolidated")
 STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 # Small files that make a directory a loadable model; copied beside a directory output.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-              "chat_template.jinja", "preprocessor_config.json")  # fmt: skip
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,5 @@ def find_layout(path: Path) -> Layout:
     found = steps(path)
     if found:
         listed = ", ".join(map(str, found))
-        raise CheckpointError(f"a training run root with steps {listed}: pick one with --step N or --step latest",
-                              path)  # fmt: skip
+        raise CheckpointError(f"a training run root with steps {listed}: pick one with --step N or --step latest", path)
     raise CheckpointError(f"no weights here (looked for {', '.join(INDEX_NAMES + SHARD_GLOBS)})", path)

@@ -22,20 +22,60 @@ MAX_PICKLE = 1 << 30
 
 # Typed storage classes (torch < 2.x style, still written for classic dtypes) and dtypes.
 STORAGE_DTYPES = {
-    "DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
-    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
-    "ByteStorage": "U8", "BoolStorage": "BOOL", "ComplexFloatStorage": "C64",
-}  # fmt: skip
+    "DoubleStorage": "F64",
+    "FloatStorage": "F32",
+    "HalfStorage": "F16",
+    "BFloat16Storage": "BF16",
+    "LongStorage": "I64",
+    "IntStorage": "I32",
+    "ShortStorage": "I16",
+    "CharStorage": "I8",
+    "ByteStorage": "U8",
+    "BoolStorage": "BOOL",
+    "ComplexFloatStorage": "C64",
+}
 TORCH_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
-    "uint32": "U32", "uint64": "U64", "complex64": "C64", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
     "float8_e5m2fnuz": "F8_E5M2FNUZ",
-}  # fmt: skip
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-            "U16": 2, "U32": 4, "U64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-            "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1}  # fmt: skip
+}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "C64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+}
 LEGACY_HINT = "re-save it in the zip format: torch.save(torch.load(path, weights_only=True), new_path)"
 
 
@@ -85,9 +125,12 @@ class _WeightsOnly(pickle.Unpickler):
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch._utils":
-            fn = {"_rebuild_tensor_v2": _rebuild_v2, "_rebuild_tensor_v3": _rebuild_v3,
-                  "_rebuild_parameter": _rebuild_parameter,
-                  "_rebuild_parameter_with_state": _rebuild_parameter}.get(name)  # fmt: skip
+            fn = {
+                "_rebuild_tensor_v2": _rebuild_v2,
+                "_rebuild_tensor_v3": _rebuild_v3,
+                "_rebuild_parameter": _rebuild_parameter,
+                "_rebuild_parameter_with_state": _rebuild_parameter,
+            }.get(name)
             if fn is not None:
                 return fn
         if module == "torch" and name in STORAGE_DTYPES:
