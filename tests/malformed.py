@@ -78,7 +78,7 @@ CASES: dict[str, tuple[bytes, bool]] = {
 }
 
 # The one documented disagreement: the reference keeps the last of two same-named
-# entries; streamck refuses the file.
+# entries (tensors, or metadata keys); streamck refuses the file.
 DUPLICATE_NAMES = _file(
     b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
     b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}',
@@ -89,3 +89,4 @@ DUPLICATE_NAMES_REF_ACCEPTS = _file(
     b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
     b"a",
 )
+DUPLICATE_METADATA_KEY = _file(b'{"__metadata__": {"format": "pt", "format": "np"}}')

@@ -6,7 +6,7 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from malformed import CASES, DUPLICATE_NAMES, DUPLICATE_NAMES_REF_ACCEPTS
+from malformed import CASES, DUPLICATE_METADATA_KEY, DUPLICATE_NAMES, DUPLICATE_NAMES_REF_ACCEPTS
 from safetensors import safe_open
 
 from streamck import CheckpointError, PlanError, load_rules, open_checkpoint
@@ -52,17 +52,20 @@ def test_agrees_with_reference_reader(tmp_path, case):
         }
 
 
-@pytest.mark.parametrize("data", [DUPLICATE_NAMES, DUPLICATE_NAMES_REF_ACCEPTS])
-def test_duplicate_names_refused_where_reference_keeps_the_last(tmp_path, data):
+@pytest.mark.parametrize(
+    ("data", "key"), [(DUPLICATE_NAMES, "a"), (DUPLICATE_NAMES_REF_ACCEPTS, "a"), (DUPLICATE_METADATA_KEY, "format")]
+)
+def test_duplicate_keys_refused_where_reference_keeps_the_last(tmp_path, data, key):
     path = tmp_path / "dup.safetensors"
     path.write_bytes(data)
-    with pytest.raises(CheckpointError, match="key 'a' appears twice"):
+    with pytest.raises(CheckpointError, match=f"key '{key}' appears twice"):
         open_checkpoint(path)
 
 
-def test_reference_really_accepts_the_duplicate(tmp_path):
+@pytest.mark.parametrize("data", [DUPLICATE_NAMES_REF_ACCEPTS, DUPLICATE_METADATA_KEY])
+def test_reference_really_accepts_the_duplicate(tmp_path, data):
     path = tmp_path / "dup.safetensors"
-    path.write_bytes(DUPLICATE_NAMES_REF_ACCEPTS)
+    path.write_bytes(data)
     assert reference(path) is not None  # the documented disagreement still exists
 
 

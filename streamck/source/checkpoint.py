@@ -126,9 +126,13 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _read_shard(path: Path) -> Header:
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    return read_torch_zip(path) if magic == b"PK\x03\x04" or path.suffix in TORCH_SUFFIXES else read_header(path)
+    if path.suffix == ".safetensors":
+        return read_header(path)
+    if path.suffix in TORCH_SUFFIXES:
+        return read_torch_zip(path)
+    with open(path, "rb") as f:  # any other name: the first bytes decide
+        zipped = f.read(4) == b"PK\x03\x04"
+    return read_torch_zip(path) if zipped else read_header(path)
 
 
 def _index(path: Path) -> Checkpoint:
@@ -141,11 +145,11 @@ def _index(path: Path) -> Checkpoint:
         files[shard] = FileStamp.of(shard)
         for key, value in header.metadata.items():
             metadata.setdefault(key, value)
-        for ref in header.tensors:
-            other = tensors.get(ref.name)
-            if other is not None:
-                raise CheckpointError(f"tensor {ref.name!r} is also in {other.path.name}", shard)
-            tensors[ref.name] = ref
+        names = [ref.name for ref in header.tensors]
+        if not tensors.keys().isdisjoint(names):
+            name = next(n for n in names if n in tensors)
+            raise CheckpointError(f"tensor {name!r} is also in {tensors[name].path.name}", shard)
+        tensors.update(zip(names, header.tensors, strict=True))
     if layout.weight_map is not None:
         _check_weight_map(layout.weight_map, tensors, layout.index)
     return Checkpoint(path, layout.root, tensors, metadata, files)
