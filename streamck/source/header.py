@@ -4,8 +4,9 @@ The rules are the reference reader's (``safetensors`` 0.8): an 8-byte
 little-endian length, at most 100 MB of UTF-8 JSON that is an object, each
 entry ``{"dtype", "shape", "data_offsets"}`` (extra fields ignored), an
 optional ``__metadata__`` map of strings, and tensors that tile the data area
-exactly: no gap, no overlap, no trailing byte. One rule is stricter: a name
-given twice is refused, where the reference silently keeps the last one.
+exactly: no gap, no overlap, no trailing byte. One rule is stricter: a key
+given twice in any object (a tensor name, a metadata key) is refused, where the
+reference silently keeps the last one.
 Nothing here allocates more than the header's real size.
 """
 
