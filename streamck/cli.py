@@ -226,18 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamck: stopped by {e}", file=sys.stderr)
         return e.code
     except BrokenPipeError:
-        return 0 if _quiet_pipe() else 2
+        # stdout went away: fine for a listing cut short (ls | head), not for a checkpoint.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # silence the flush at exit
+        if (argv or sys.argv[1:])[:1] == ["rewrite"]:
+            print("streamck: error: stdout closed before the whole checkpoint was written", file=sys.stderr)
+            return 2
+        return 0
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         print(f"streamck: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
-
-
-def _quiet_pipe() -> bool:
-    # stdout went away (streamck ls | head): not an error; silence the flush at exit.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    return True
 
 
 def entry() -> None:

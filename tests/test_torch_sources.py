@@ -216,3 +216,21 @@ def test_ls_and_diff_on_bin(tmp_path):
     assert manifest["tensors"]["transposed"] == {"dtype": "F32", "shape": [10, 6]}
     rewrite(compile_plan(open_checkpoint(tmp_path / "a.bin")), tmp_path / "b.safetensors")
     assert diff(tmp_path / "a.bin", tmp_path / "b.safetensors", data=True).equal
+
+
+def test_stdout_closed_early(tmp_path):
+    torch.save({"w": torch.randn(512, 512)}, tmp_path / "m.bin")
+    cmd = f"{sys.executable} -m streamck rewrite {tmp_path / 'm.bin'} -o - | head -c 100 > /dev/null"
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "stdout closed before the whole checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    listing = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"set -o pipefail; {sys.executable} -m streamck ls {tmp_path / 'm.bin'} --json | head -c 10 > /dev/null",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert listing.returncode == 0 and listing.stderr == ""

@@ -234,3 +234,21 @@ def test_drop_cache_releases_read_and_written_pages(tmp_path, monkeypatch, drop)
         assert min(resident) > size // 2
     got = read_all(tmp_path / "o.safetensors")
     assert all(np.array_equal(got[k], v) for k, v in tensors.items())
+
+
+def test_progress_bar_counts_every_output_byte(tmp_path, capsys, monkeypatch):
+    import streamck.writer.shardwriter as sw
+
+    counted = []
+    real_close = sw.Progress.close
+
+    def close(self):
+        counted.append(self.bar.n)
+        real_close(self)
+
+    monkeypatch.setattr(sw.Progress, "close", close)
+    src = save(tmp_path / "s.safetensors", llama_like())
+    plan = compile_plan(open_checkpoint(src), Rules((Rule("cast", "*norm*=bf16"),)))  # copies and a cast
+    rewrite(plan, tmp_path / "o.safetensors", progress=True, chunk=64)
+    assert counted == [plan.total_size]
+    assert "B/s" in capsys.readouterr().err
