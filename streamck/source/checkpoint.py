@@ -13,9 +13,7 @@ from pathlib import Path
 from streamck.errors import CheckpointError
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import find_layout, pick_step
-from streamck.source.torchzip import read_torch_zip
-
-TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +139,8 @@ def _index(path: Path) -> Checkpoint:
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
     for shard in layout.shards:
+        files[shard] = FileStamp.of(shard)  # before reading: a change while we read shows too
         header = _read_shard(shard)
-        files[shard] = FileStamp.of(shard)
         for key, value in header.metadata.items():
             metadata.setdefault(key, value)
         names = [ref.name for ref in header.tensors]

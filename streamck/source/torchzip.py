@@ -15,10 +15,12 @@ import struct
 import zipfile
 from pathlib import Path
 
+from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
 from streamck.source.header import Header, TensorRef
 
-MAX_PICKLE = 1 << 30
+MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 # Typed storage classes (torch < 2.x style, still written for classic dtypes) and dtypes.
 STORAGE_DTYPES = {
@@ -55,27 +57,6 @@ TORCH_DTYPES = {
     "float8_e4m3fnuz": "F8_E4M3FNUZ",
     "float8_e5m2fnuz": "F8_E5M2FNUZ",
 }
-ITEMSIZE = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "U16": 2,
-    "U32": 4,
-    "U64": 8,
-    "C64": 8,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2FNUZ": 1,
-}
 LEGACY_HINT = "re-save it in the zip format: torch.save(torch.load(path, weights_only=True), new_path)"
 
 
@@ -84,10 +65,6 @@ class _Storage:
 
     def __init__(self, key: str, dtype: str | None):
         self.key, self.dtype = key, dtype
-
-
-class _Dtype(str):
-    """A torch dtype named in the pickle (``torch.float8_e4m3fn``), as its safetensors name."""
 
 
 class _Lazy:
@@ -136,7 +113,7 @@ class _WeightsOnly(pickle.Unpickler):
         if module == "torch" and name in STORAGE_DTYPES:
             return STORAGE_DTYPES[name]
         if module == "torch" and name in TORCH_DTYPES:
-            return _Dtype(TORCH_DTYPES[name])
+            return TORCH_DTYPES[name]
         if module == "torch.storage" and name == "UntypedStorage":
             return None
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a tensor state dict")
@@ -213,8 +190,8 @@ def read_torch_zip(path: Path) -> Header:
 
 def _ref(name: str, t: _Lazy, where: tuple[int, int], path: Path) -> TensorRef:
     start, size = where
-    item = ITEMSIZE.get(t.dtype)
-    if item is None or not all(type(x) is int and x >= 0 for x in (t.offset, *t.size, *t.stride)):
+    item = BITS[t.dtype] // 8 if t.dtype in BITS else None
+    if not item or not all(type(x) is int and x >= 0 for x in (t.offset, *t.size, *t.stride)):
         raise CheckpointError(f"tensor {name!r}: unsupported dtype or bad view", path)
     if len(t.stride) != len(t.size):
         raise CheckpointError(f"tensor {name!r}: {len(t.size)} dims but {len(t.stride)} strides", path)
