@@ -238,3 +238,21 @@ def test_cli_export_and_dry_run(tmp_path):
     shard = run("-o", str(tmp_path / "y"), "--plan", "eagle4", "--max-shard-size", "1KB")
     assert shard.returncode == 2 and "exactly one model.safetensors" in shard.stderr
     assert not (tmp_path / "y").exists()
+
+
+def test_dry_run_manifest_matches_the_export(tmp_path):
+    from streamck.check import diff
+
+    src, _, tensors = make_draft(tmp_path / "step", {"attention_bias": True}, shards=2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamck", "rewrite", str(src), "--plan", "eagle4", "--dry-run", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "now.json").write_text(proc.stdout)
+    manifest = json.loads(proc.stdout)
+    assert sorted(manifest["tensors"]) == sorted(serving_name(k) for k in tensors)
+    assert manifest["metadata"] == {"format": "pt"}
+    out = export_eagle4_draft(src, tmp_path / "export")
+    assert diff(tmp_path / "now.json", out / "model.safetensors").equal
