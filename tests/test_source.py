@@ -140,3 +140,11 @@ def test_missing_path_and_empty_dir(tmp_path):
         open_checkpoint(tmp_path / "nope")
     with pytest.raises(CheckpointError, match="no weights here"):
         open_checkpoint(tmp_path)
+
+
+def test_weight_map_puts_a_tensor_in_the_wrong_shard(tmp_path):
+    save(tmp_path / "a.safetensors", {"x": np.zeros(2)})
+    save(tmp_path / "b.safetensors", {"y": np.zeros(2)})
+    _index(tmp_path, {"x": "b.safetensors", "y": "a.safetensors"})
+    with pytest.raises(CheckpointError, match="weight_map puts 'x' in b.safetensors, but it is in a.safetensors"):
+        open_checkpoint(tmp_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from streamck.errors import CheckpointError
 from streamck.source.header import Header, TensorRef, read_header
-from streamck.source.layout import find_layout, pick_step
+from streamck.source.layout import Layout, find_layout, pick_step
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
 
 
@@ -73,21 +73,27 @@ class Checkpoint:
                 raise CheckpointError("source file changed during the run", path)
 
 
-def _check_weight_map(weight_map: dict[str, Path], tensors: dict[str, TensorRef], index_path: Path) -> None:
-    # Every tensor sits where the map says and the sizes agree: then the map is exact.
-    get = weight_map.get
-    if len(weight_map) == len(tensors) and all(get(t.name) is t.path for t in tensors.values()):
-        return
-    root = index_path.parent
-    for name, shard in weight_map.items():
+def _map_error(
+    layout: Layout, tensors: dict[str, TensorRef], shard: Path | None = None, names: list[str] = ()
+) -> CheckpointError:
+    """What is wrong between the index's weight_map and the shards (known to disagree):
+    in ``shard`` just read, holding ``names``, or, after all shards, anywhere."""
+    if shard is not None:
+        missing = [n for n in names if n not in layout.weight_map]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            return CheckpointError(f"shard tensors missing from weight_map: {shown}{more}", layout.index)
+        name = next(n for n in names if layout.weight_map[n] not in layout.spellings[shard])
+        return CheckpointError(
+            f"weight_map puts {name!r} in {layout.weight_map[name]}, but it is in {shard.relative_to(layout.root)}",
+            layout.index,
+        )
+    for name, shard_name in layout.weight_map.items():
         ref = tensors.get(name)
-        if ref is None or ref.path is not shard:
-            where = shard.relative_to(root)
-            raise CheckpointError(f"weight_map puts {name!r} in {where}, which does not hold it", index_path)
-    missing = [n for n in tensors if n not in weight_map]
-    shown = ", ".join(repr(n) for n in missing[:5])
-    more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-    raise CheckpointError(f"shard tensors missing from weight_map: {shown}{more}", index_path)
+        if ref is None:
+            return CheckpointError(f"weight_map puts {name!r} in {shard_name}, which does not hold it", layout.index)
+    raise AssertionError("weight_map and shards agree")
 
 
 def open_checkpoint(path: str | os.PathLike, step: str | int | None = None) -> Checkpoint:
@@ -148,6 +154,10 @@ def _index(path: Path) -> Checkpoint:
             name = next(n for n in names if n in tensors)
             raise CheckpointError(f"tensor {name!r} is also in {tensors[name].path.name}", shard)
         tensors.update(zip(names, header.tensors, strict=True))
-    if layout.weight_map is not None:
-        _check_weight_map(layout.weight_map, tensors, layout.index)
+        # Each of this shard's tensors is mapped to this shard (one C-level pass)...
+        if layout.weight_map is not None and not set(map(layout.weight_map.get, names)) <= layout.spellings[shard]:
+            raise _map_error(layout, tensors, shard, names)
+    # ...and the map names nothing else: then it is exact.
+    if layout.weight_map is not None and len(layout.weight_map) != len(tensors):
+        raise _map_error(layout, tensors)
     return Checkpoint(path, layout.root, tensors, metadata, files)

@@ -35,12 +35,13 @@ SIDE_FILES = (
 
 @dataclass(frozen=True)
 class Layout:
-    """The weights of a checkpoint: ``root`` directory, shard files, and the index's
-    tensor → shard map (one Path object per shard) when there is an index."""
+    """The weights of a checkpoint: ``root`` directory and shard files; with an index,
+    its tensor → shard map as written and, per shard file, the names it is written as."""
 
     root: Path
     shards: list[Path]
-    weight_map: dict[str, Path] | None = None
+    weight_map: dict[str, str] | None = None
+    spellings: dict[Path, set[str]] | None = None
     index: Path | None = None
 
 
@@ -50,7 +51,7 @@ def _load_index(index_path: Path) -> dict[str, str]:
     except orjson.JSONDecodeError as e:
         raise CheckpointError(f"not valid JSON ({e})", index_path) from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    if not isinstance(weight_map, dict) or set(map(type, weight_map.values())) - {str}:
         raise CheckpointError("has no 'weight_map' object of tensor name to shard file", index_path)
     return weight_map
 
@@ -64,15 +65,13 @@ def _shard_path(root: Path, name: str, index_path: Path) -> Path:
 
 def _from_index(root: Path, index_path: Path) -> Layout:
     weight_map = _load_index(index_path)
-    by_name: dict[str, Path] = {}
-    by_path: dict[Path, Path] = {}
-    for shard in weight_map.values():
-        if shard not in by_name:
-            path = _shard_path(root, shard, index_path)
-            if not path.is_file():
-                raise CheckpointError(f"weight_map names shard {shard!r}, which does not exist", index_path)
-            by_name[shard] = by_path.setdefault(path, path)
-    return Layout(root, list(by_path), {name: by_name[shard] for name, shard in weight_map.items()}, index_path)
+    spellings: dict[Path, set[str]] = {}
+    for shard in set(weight_map.values()):
+        path = _shard_path(root, shard, index_path)
+        if not path.is_file():
+            raise CheckpointError(f"weight_map names shard {shard!r}, which does not exist", index_path)
+        spellings.setdefault(path, set()).add(shard)
+    return Layout(root, sorted(spellings), weight_map, spellings, index_path)
 
 
 def steps(path: Path) -> dict[int, Path]:
