@@ -94,8 +94,13 @@ def plan_manifest(plan) -> dict[str, Any]:
 
 
 def load_manifest(text: str | bytes) -> dict[str, Any] | None:
-    """Parse ``text`` as a manifest; None if it is JSON of another kind."""
+    """Parse ``text`` as a manifest; None if it is JSON of another kind. Raises
+    ValueError for bad JSON or a tensor entry without a string dtype and integer shape."""
     obj = json.loads(text)
-    if isinstance(obj, dict) and isinstance(obj.get("tensors"), dict):
-        return obj
-    return None
+    if not (isinstance(obj, dict) and isinstance(obj.get("tensors"), dict)):
+        return None
+    for name, entry in obj["tensors"].items():
+        ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+        if not ok or not all(type(d) is int for d in entry["shape"]):
+            raise ValueError(f"tensor {name!r} has no string dtype and integer shape")
+    return obj

@@ -167,3 +167,13 @@ def test_verify_passes_on_a_good_rewrite(tmp_path, dtype):
     args = ["--dtype", dtype] if dtype else []
     proc = streamck("rewrite", src, "-o", tmp_path / "o", "--verify", "--max-shard-size", "1KB", *args)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_malformed_manifest_is_a_clear_error(tmp_path):
+    (tmp_path / "m.json").write_text('{"tensors": {"w": {"shape": [2]}}}')
+    a = save(tmp_path / "a.safetensors", {"w": np.zeros(2)})
+    proc = streamck("diff", tmp_path / "m.json", a)
+    assert proc.returncode == 2 and "tensor 'w' has no string dtype" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "x.json").write_text('{"nope": 1}')
+    proc = streamck("diff", tmp_path / "x.json", a)
+    assert proc.returncode == 2 and "not a manifest" in proc.stderr

@@ -195,9 +195,9 @@ def diff(
     sb = b if isinstance(b, Side) else load_side(b)
     if data and (sa.checkpoint is None or sb.checkpoint is None):
         raise StreamckError("--data compares tensor bytes: both sides must be checkpoints, not manifests")
-    keep = lambda n: not any(fnmatch.fnmatchcase(n, g) for g in ignore)  # noqa: E731
-    ta = {n: e for n, e in sa.tensors.items() if keep(n)}
-    tb = {n: e for n, e in sb.tensors.items() if keep(n)}
+    ignored = re.compile("|".join(fnmatch.translate(g) for g in ignore)) if ignore else None
+    ta = {n: e for n, e in sa.tensors.items() if not (ignored and ignored.match(n))}
+    tb = {n: e for n, e in sb.tensors.items() if not (ignored and ignored.match(n))}
     result = DiffResult(sa.label, sb.label, len(ta), len(tb))
     result.only_a = sorted(set(ta) - set(tb))
     result.only_b = sorted(set(tb) - set(ta))
