@@ -35,8 +35,6 @@ BITS: dict[str, int] = {
 
 RANK: dict[str, int] = {name: i for i, name in enumerate(BITS)}
 
-FLOATING = frozenset(name for name in BITS if name.startswith(("F", "BF")))
-
 # Casts are offered between these; the rest are carried unchanged.
 CASTABLE = ("F64", "F32", "F16", "BF16")
 

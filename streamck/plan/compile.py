@@ -56,10 +56,6 @@ class Plan:
     def total_size(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    @property
-    def needs_torch(self) -> bool:
-        return any(t.is_cast for t in self.tensors)
-
 
 def _listing(items: list[str], limit: int = 8) -> str:
     more = f", … and {len(items) - limit} more" if len(items) > limit else ""

@@ -120,10 +120,6 @@ class Rules:
                     return dtype
         return None
 
-    @property
-    def has_casts(self) -> bool:
-        return self.dtype is not None or any(r.kind == "cast" for r in self.rules)
-
 
 def load_rules(path: str | Path) -> Rules:
     """Read a TOML plan file: ``rules = [{strip_prefix = "model."}, {drop = "*.inv_freq"}, ...]``
