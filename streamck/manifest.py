@@ -96,7 +96,7 @@ def plan_manifest(plan) -> dict[str, Any]:
 def load_manifest(text: str | bytes) -> dict[str, Any] | None:
     """Parse ``text`` as a manifest; None if it is JSON of another kind. Raises
     ValueError for bad JSON or a tensor entry without a string dtype and integer shape."""
-    obj = json.loads(text)
+    obj = orjson.loads(text)
     if not (isinstance(obj, dict) and isinstance(obj.get("tensors"), dict)):
         return None
     for name, entry in obj["tensors"].items():
