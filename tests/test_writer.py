@@ -252,3 +252,14 @@ def test_progress_bar_counts_every_output_byte(tmp_path, capsys, monkeypatch):
     rewrite(plan, tmp_path / "o.safetensors", progress=True, chunk=64)
     assert counted == [plan.total_size]
     assert "B/s" in capsys.readouterr().err
+
+
+def test_header_over_the_readers_cap_is_refused_before_writing(tmp_path, monkeypatch):
+    import streamck.source.header as header
+
+    src = save_sharded(tmp_path / "s", llama_like(), 6)  # shard headers stay under the cap below
+    monkeypatch.setattr(header, "MAX_HEADER", 512)  # a real cap is 100 MB: ~1M tensors in one file
+    with pytest.raises(OutputError, match="above the 512-byte cap"):
+        run(src, tmp_path / "o.safetensors")
+    assert not (tmp_path / "o.safetensors").exists()
+    run(src, tmp_path / "out", max_shard_size=200)  # small shards have small headers

@@ -8,7 +8,9 @@ import struct
 from dataclasses import dataclass
 
 from streamck.dtypes import RANK
+from streamck.errors import OutputError
 from streamck.plan import OutputTensor, Plan
+from streamck.source import header
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -48,6 +50,11 @@ def header_bytes(tensors: list[OutputTensor], metadata: dict[str, str], align: i
         offset += t.nbytes
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % align)
+    if len(raw) > header.MAX_HEADER:
+        raise OutputError(
+            f"the header of one file would be {len(raw)} bytes, above the {header.MAX_HEADER}-byte "
+            "cap of safetensors readers; split the output with --max-shard-size"
+        )
     return struct.pack("<Q", len(raw)) + raw
 
 
