@@ -131,6 +131,8 @@ class Caster:
         check = can_overflow(src, dst)
         # One counter per slot: each is touched by its own stream only.
         overflow = [torch.zeros((), dtype=torch.int64, device=self.device) for _ in range(2)]
+        for stream in self._streams:  # the zeroing above runs on the default stream: order after it
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         pending: list[tuple[int, int, torch.cuda.Event]] = []
 
         def drain() -> None:
