@@ -103,6 +103,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         force=args.force,
         drop_cache=args.drop_cache,
         device=args.device,
+        verify=args.verify,
         progress=not args.quiet and sys.stderr.isatty(),
     )
     for name, count in sorted(result.overflow.items()):

@@ -128,3 +128,51 @@ def test_ls_and_plain_rewrite_never_import_torch(ckpt, tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
+    import streamck.cli as cli
+
+    seen = {}
+
+    def fake_rewrite(plan, out, **kw):
+        seen.update(kw, out=out)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "rewrite", fake_rewrite)
+    with pytest.raises(SystemExit):
+        cli.main(
+            [
+                "rewrite",
+                str(ckpt),
+                "-o",
+                str(tmp_path / "o"),
+                "--max-shard-size",
+                "2KiB",
+                "--header-align",
+                "64",
+                "--force",
+                "--drop-cache",
+                "--device",
+                "cpu",
+                "--verify",
+                "-q",
+            ]
+        )
+    assert seen == {
+        "out": str(tmp_path / "o"),
+        "max_shard_size": 2048,
+        "header_align": 64,
+        "force": True,
+        "drop_cache": True,
+        "device": "cpu",
+        "verify": True,
+        "progress": False,
+    }
+
+
+def test_header_align_from_the_cli(ckpt, tmp_path):
+    streamck("rewrite", ckpt, "-o", tmp_path / "o.safetensors", "--header-align", "4096", check=0)
+    data = (tmp_path / "o.safetensors").read_bytes()
+    assert (8 + int.from_bytes(data[:8], "little")) % 4096 == 0
+    assert sorted(read_all(tmp_path / "o.safetensors")) == sorted(llama_like())

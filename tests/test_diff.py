@@ -162,11 +162,46 @@ def test_verify_catches_a_byte_flipped_before_verification(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [None, "fp16"])
-def test_verify_passes_on_a_good_rewrite(tmp_path, dtype):
+def test_cli_verify_checks_every_shard(tmp_path, monkeypatch, capsys, dtype):
+    import streamck.writer.engine as rw
+    from streamck.cli import main
+
+    checked = []
+    real = rw.verify_shard
+
+    def counting(shard, path, factory):
+        checked.append(path.name)
+        real(shard, path, factory)
+
+    monkeypatch.setattr(rw, "verify_shard", counting)
     src = save_sharded(tmp_path / "s", llama_like(), 2)
     args = ["--dtype", dtype] if dtype else []
-    proc = streamck("rewrite", src, "-o", tmp_path / "o", "--verify", "--max-shard-size", "1KB", *args)
-    assert proc.returncode == 0, proc.stderr
+    assert (
+        main(["rewrite", str(src), "-o", str(tmp_path / "o"), "--verify", "--max-shard-size", "1KB", "-q", *args]) == 0
+    )
+    shards = sorted(p.name for p in (tmp_path / "o").glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(checked) == shards
+    assert main(["rewrite", str(src), "-o", str(tmp_path / "p"), "-q"]) == 0
+    assert len(checked) == len(shards)  # and nothing without --verify
+
+
+def test_cli_verify_failure_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import streamck.writer.engine as rw
+    from streamck.cli import main
+
+    def tampered(shard, path, factory):
+        with open(path, "r+b") as f:
+            f.seek(-1, 2)
+            f.write(b"\xff" if f.read(0) == b"" else b"")
+        rw_real(shard, path, factory)
+
+    rw_real = rw.verify_shard
+    monkeypatch.setattr(rw, "verify_shard", tampered)
+    src = save(tmp_path / "s.safetensors", {"w": np.zeros(16, np.float32)})
+    assert main(["rewrite", str(src), "-o", str(tmp_path / "o.safetensors"), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "verification failed: w differs from its source" in err and err.count("\n") == 1
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_malformed_manifest_is_a_clear_error(tmp_path):
