@@ -98,6 +98,8 @@ def rewrite(
     shards = plan_shards(plan, out.name if single else "model.safetensors", max_shard_size, header_align)
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache, bar)
+    if any(t.is_cast for t in plan.tensors):
+        writer.get_caster()  # a missing CUDA device is an error before any file exists
     syncer = Syncer(drop_cache)
     with ExitStack() as stack:
         stack.enter_context(signals_as_exceptions())
@@ -163,6 +165,8 @@ def _to_stdout(
     (shard,) = plan_shards(plan, "-", None, header_align)
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache=False, progress=bar)
+    if any(t.is_cast for t in plan.tensors):
+        writer.get_caster()
     try:
         with signals_as_exceptions():
             writer.write(shard, fd)

@@ -68,6 +68,15 @@ class ShardWriter:
         for fd in self.fds.values():
             os.close(fd)
 
+    def get_caster(self):
+        """The caster for this run, made (torch imported, buffers allocated, the device
+        checked) on first use; call it before writing to fail before any file exists."""
+        if self.caster is None:
+            from streamck.writer.cast import CAST_CHUNK, Caster
+
+            self.caster = Caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
+        return self.caster
+
     def write(self, shard: Shard, out: int) -> None:
         write_all(out, shard.header)
         since_drop = 0
@@ -75,11 +84,9 @@ class ShardWriter:
             src = t.source
             fd = self._fd(src.path)
             if t.is_cast:
-                if self.caster is None:
-                    from streamck.writer.cast import CAST_CHUNK, Caster
-
-                    self.caster = Caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
-                n = self.caster.cast(fd, src.start, src.numel, src.dtype, t.dtype, out, str(src.path), self.progress)
+                n = self.get_caster().cast(
+                    fd, src.start, src.numel, src.dtype, t.dtype, out, str(src.path), self.progress
+                )
                 if n:
                     self.overflow[t.name] = n
             elif src.strides is not None:  # a non-contiguous torch view: gathered, not copied
