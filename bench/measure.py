@@ -1,12 +1,16 @@
-"""Run a command as a child and take its wall time and peak RSS from the OS."""
+"""Contenders as child processes: wall time and peak RSS from the OS, interleaved runs, tables."""
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -44,3 +48,41 @@ def run_child(cmd: list[str], settle: float = 10.0) -> tuple[float, int]:
 
 def mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
+
+
+PY = sys.executable
+
+
+def streamck(*args: str) -> list[str]:
+    return [PY, "-m", "streamck", *args]
+
+
+def cp_fsync(src: Path) -> Callable[[Path], list[str]]:
+    return lambda out: ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*']
+
+
+def contend(contenders: dict[str, Callable[[Path], list[str]]], out: Path, reps: int, settle: float) -> dict[str, Runs]:
+    """Run every contender ``reps`` times, interleaved; each writes to ``out``, removed after."""
+    runs = {label: Runs(label) for label in contenders}
+    for rep in range(reps):
+        for label, make in contenders.items():
+            wall, rss = run_child(make(out), settle)
+            runs[label].walls.append(wall)
+            runs[label].rss.append(rss)
+            print(f"  rep {rep + 1}/{reps} {label:<28} {wall:7.2f} s {mib(rss):>9}", file=sys.stderr)
+            if out.is_dir():
+                shutil.rmtree(out)
+            elif out.exists():
+                out.unlink()
+    return runs
+
+
+def table(runs: dict[str, Runs], base: str, data_bytes: int | None = None) -> str:
+    """Markdown: median wall, ratio to ``base``, throughput of ``data_bytes``, peak RSS, every run."""
+    b = runs[base].wall
+    rows = [f"| contender | wall (median) | × {base} | throughput | peak RSS | runs |", "|---|---|---|---|---|---|"]
+    for r in runs.values():
+        rate = f"{data_bytes / r.wall / 1e9:.2f} GB/s" if data_bytes else "–"
+        walls = ", ".join(f"{w:.2f}" for w in r.walls)
+        rows.append(f"| {r.label} | {r.wall:.2f} s | {r.wall / b:.2f} | {rate} | {mib(r.peak)} | {walls} |")
+    return "\n".join(rows)

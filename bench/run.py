@@ -27,51 +27,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import Runs, mib, run_child  # noqa: E402
-from synth import make_checkpoint, parse_size  # noqa: E402
+from measure import PY, contend, cp_fsync, mib, run_child, streamck, table  # noqa: E402
+from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards, parse_size  # noqa: E402
 
-PY = sys.executable
 CASES: dict[str, Callable[[argparse.Namespace, Path], str]] = {}
 
 
 def case(fn):
     CASES[fn.__name__.removeprefix("case_")] = fn
     return fn
-
-
-def contend(contenders: dict[str, Callable[[Path], list[str]]], out: Path, reps: int, settle: float) -> dict[str, Runs]:
-    """Run every contender ``reps`` times, interleaved; each writes to ``out``, removed after."""
-    runs = {label: Runs(label) for label in contenders}
-    for rep in range(reps):
-        for label, make in contenders.items():
-            wall, rss = run_child(make(out), settle)
-            runs[label].walls.append(wall)
-            runs[label].rss.append(rss)
-            print(f"  rep {rep + 1}/{reps} {label:<28} {wall:7.2f} s {mib(rss):>9}", file=sys.stderr)
-            if out.is_dir():
-                shutil.rmtree(out)
-            elif out.exists():
-                out.unlink()
-    return runs
-
-
-def table(runs: dict[str, Runs], base: str, data_bytes: int | None = None) -> str:
-    """Markdown: median wall, ratio to ``base``, throughput of ``data_bytes``, peak RSS, every run."""
-    b = runs[base].wall
-    rows = [f"| contender | wall (median) | × {base} | throughput | peak RSS | runs |", "|---|---|---|---|---|---|"]
-    for r in runs.values():
-        rate = f"{data_bytes / r.wall / 1e9:.2f} GB/s" if data_bytes else "–"
-        walls = ", ".join(f"{w:.2f}" for w in r.walls)
-        rows.append(f"| {r.label} | {r.wall:.2f} s | {r.wall / b:.2f} | {rate} | {mib(r.peak)} | {walls} |")
-    return "\n".join(rows)
-
-
-def streamck(*args: str) -> list[str]:
-    return [PY, "-m", "streamck", *args]
-
-
-def cp_fsync(src: Path) -> Callable[[Path], list[str]]:
-    return lambda out: ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*']
 
 
 @case
@@ -168,19 +132,6 @@ def case_cuda(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
-def make_bin(path: Path, size: int, embed: int) -> Path:
-    """A torch.save zip checkpoint shaped like synth's: one large embedding, then layers."""
-    import torch
-    from synth import llama_tensors
-
-    state = {}
-    for name, shape in llama_tensors(size, embed, "F32"):
-        state[name] = torch.empty(shape).normal_()
-    torch.save(state, path)
-    os.sync()
-    return path
-
-
 @case
 def case_bin(a: argparse.Namespace, tmp: Path) -> str:
     """PyTorch .bin -> model.safetensors: cp of the .bin, torch.load + save_file, streamck rewrite."""
@@ -198,34 +149,6 @@ def case_bin(a: argparse.Namespace, tmp: Path) -> str:
         f"Source: one {data / 2**30:.2f} GiB `torch.save` zip (F32, largest tensor {embed / 2**30:.2f} GiB). "
         f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp + sync", data)
     )
-
-
-def make_eagle4_draft(root: Path, scale: int) -> Path:
-    """A trained EAGLE-4 draft for a 70B target (H=8192, I=28672, V=128256, T=8192, A=3,
-    R=1024), every size divided by ``scale``, written as a step directory."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from eagle4_drafts import BASE_CONFIG, shapes
-    from synth import write_shard
-
-    H, I, V, R = 8192 // scale, 28672 // scale, 128256 // scale, 1024 // scale  # noqa: E741
-    config = {
-        **BASE_CONFIG,
-        "hidden_size": H,
-        "intermediate_size": I,
-        "vocab_size": V,
-        "efficient_lm_head_rank": R,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": H // 64,
-        "target_hidden_size": H,
-    }
-    directory = root / "model" / "consolidated"
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    block = os.urandom(16 << 20)
-    write_shard(directory / "model.safetensors", [(n, list(s)) for n, s in shapes(config).items()], "BF16", block)
-    os.sync()
-    return root
 
 
 @case
@@ -269,22 +192,6 @@ def case_lsdiff(a: argparse.Namespace, tmp: Path) -> str:
         f"{a.shards} shards × {a.tensors} tensors, each command a child process. After `diff`: {check.stderr}.\n\n"
         + table(runs, "python -c pass (interpreter start)", 0).replace("| 0.00 GB/s ", "| – ")
     )
-
-
-def make_many_shards(root: Path, shards: int, per: int) -> Path:
-    root.mkdir()
-    weight_map = {}
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        header = {"__metadata__": {"format": "pt"}}
-        for t in range(per):
-            key = f"model.layers.{s}.block.{t}.weight"
-            header[key] = {"dtype": "BF16", "shape": [2, 2], "data_offsets": [8 * t, 8 * t + 8]}
-            weight_map[key] = name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        (root / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8 * per))
-    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return root
 
 
 @case

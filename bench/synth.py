@@ -104,6 +104,61 @@ def make_checkpoint(directory: Path, size: int, embed: int, dtype: str = "F32", 
     return directory
 
 
+def make_bin(path: Path, size: int, embed: int) -> Path:
+    """A torch.save zip checkpoint shaped like synth's: one large embedding, then layers."""
+    import torch
+
+    state = {}
+    for name, shape in llama_tensors(size, embed, "F32"):
+        state[name] = torch.empty(shape).normal_()
+    torch.save(state, path)
+    os.sync()
+    return path
+
+
+def make_eagle4_draft(root: Path, scale: int) -> Path:
+    """A trained EAGLE-4 draft for a 70B target (H=8192, I=28672, V=128256, T=8192, A=3,
+    R=1024), every size divided by ``scale``, written as a step directory."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from eagle4_drafts import BASE_CONFIG, shapes
+
+    H, I, V, R = 8192 // scale, 28672 // scale, 128256 // scale, 1024 // scale  # noqa: E741
+    config = {
+        **BASE_CONFIG,
+        "hidden_size": H,
+        "intermediate_size": I,
+        "vocab_size": V,
+        "efficient_lm_head_rank": R,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": H // 64,
+        "target_hidden_size": H,
+    }
+    directory = root / "model" / "consolidated"
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    block = os.urandom(16 << 20)
+    write_shard(directory / "model.safetensors", [(n, list(s)) for n, s in shapes(config).items()], "BF16", block)
+    os.sync()
+    return root
+
+
+def make_many_shards(root: Path, shards: int, per: int) -> Path:
+    root.mkdir()
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header = {"__metadata__": {"format": "pt"}}
+        for t in range(per):
+            key = f"model.layers.{s}.block.{t}.weight"
+            header[key] = {"dtype": "BF16", "shape": [2, 2], "data_offsets": [8 * t, 8 * t + 8]}
+            weight_map[key] = name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        (root / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8 * per))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return root
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path)
