@@ -10,7 +10,7 @@ from eagle4_drafts import BASE_CONFIG, make_draft, serving_name
 from helpers import metadata_of, read_all
 
 from streamck import OutputError, PlanError, export_eagle4_draft
-from streamck.plan.eagle4 import COPIED_CONFIG
+from streamck.plan.eagle4_layout import COPIED_CONFIG
 
 VARIANTS = {
     "plain": ({}, {}),

@@ -1,7 +1,7 @@
 """``--plan eagle4``: a trained EAGLE-4 draft in the ``LlamaForCausalLMEagle4`` serving layout.
 
-The contract is ``shared/eagle4-layout.md``; its tables live here as data and
-nothing else in this module knows a key name.
+The contract is ``shared/eagle4-layout.md``; its tables are data in
+``eagle4_layout.py``, and the checks here are written against them.
 """
 
 from __future__ import annotations
@@ -13,112 +13,23 @@ from pathlib import Path
 
 from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
+from streamck.plan.eagle4_layout import (
+    AUX_LAYERS,
+    BIASES,
+    COPIED_CONFIG,
+    FLOAT_DTYPES,
+    OPTIONAL_SIZES,
+    REFUSED_FLAGS,
+    REQUIRED_SIZES,
+    SECOND_LAYER_PREFIX,
+    SET_CONFIG,
+    STRUCTURE_LABELS,
+    SYMBOLS,
+    TENSORS,
+    TORCH_DTYPE_NAMES,
+)
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
-
-ARCHITECTURE = "LlamaForCausalLMEagle4"
-
-# Serving config: these keys are set, these are copied when present, nothing else survives.
-SET_CONFIG = {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1}
-COPIED_CONFIG = (
-    "attention_bias",
-    "attention_dropout",
-    "bos_token_id",
-    "eagle_config",
-    "efficient_lm_head_candidates",
-    "efficient_lm_head_rank",
-    "eos_token_id",
-    "head_dim",
-    "hidden_act",
-    "hidden_size",
-    "intermediate_size",
-    "max_position_embeddings",
-    "mlp_bias",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "pad_token_id",
-    "rms_norm_eps",
-    "rope_scaling",
-    "rope_theta",
-    "sliding_window",
-    "target_hidden_size",
-    "tie_word_embeddings",
-    "torch_dtype",
-    "vocab_size",
-)
-REQUIRED_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "efficient_lm_head_rank",
-)
-OPTIONAL_SIZES = ("head_dim", "target_hidden_size")
-AUX_LAYERS = ("eagle_config", "eagle_aux_hidden_state_layer_ids")
-REFUSED_FLAGS = ("parallel_drafting", "fc_norm")  # true at top level or in eagle_config: not built by EAGLE-4
-
-# Shape symbols and the config keys behind each, for error messages.
-SYMBOLS = {
-    "H": "hidden_size",
-    "T": "target_hidden_size (default hidden_size)",
-    "A": "len(eagle_config.eagle_aux_hidden_state_layer_ids)",
-    "nh": "num_attention_heads",
-    "nkv": "num_key_value_heads",
-    "d": "head_dim (default hidden_size / num_attention_heads)",
-    "I": "intermediate_size",
-    "V": "vocab_size",
-    "R": "efficient_lm_head_rank",
-}
-
-STRUCTURE_LABELS = {
-    "H": "H",
-    "T": "T",
-    "A": "A",
-    "nh": "heads",
-    "nkv": "kv_heads",
-    "d": "head_dim",
-    "I": "I",
-    "V": "V",
-    "R": "R",
-}
-
-# (serving key, training key, shape as products of symbols)
-TENSORS = (
-    ("fc.weight", "model.fc.weight", ("H", "A*T")),
-    ("layers.0.hidden_norm.weight", "model.layers.0.hidden_norm.weight", ("H",)),
-    ("layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight", ("H",)),
-    ("layers.0.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", ("H",)),
-    ("layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", ("nh*d", "2*H")),
-    ("layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight", ("nkv*d", "2*H")),
-    ("layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.v_proj.weight", ("nkv*d", "2*H")),
-    ("layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight", ("H", "nh*d")),
-    ("layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight", ("I", "H")),
-    ("layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight", ("I", "H")),
-    ("layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight", ("H", "I")),
-    ("norm.weight", "model.norm.weight", ("H",)),
-    ("embed_tokens.weight", "model.embed_tokens.weight", ("V", "H")),
-    ("lm_head.weight", "lm_head.weight", ("V", "H")),
-    ("efficient_lm_head_down_proj.weight", "efficient_lm_head_down_proj.weight", ("R", "H")),
-    ("efficient_lm_head.weight", "efficient_lm_head.weight", ("V", "R")),
-)
-# Present exactly when their config flag is true.
-BIASES = {
-    "attention_bias": (
-        ("layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias", ("nh*d",)),
-        ("layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.k_proj.bias", ("nkv*d",)),
-        ("layers.0.self_attn.v_proj.bias", "model.layers.0.self_attn.v_proj.bias", ("nkv*d",)),
-        ("layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.o_proj.bias", ("H",)),
-    ),
-    "mlp_bias": (
-        ("layers.0.mlp.gate_proj.bias", "model.layers.0.mlp.gate_proj.bias", ("I",)),
-        ("layers.0.mlp.up_proj.bias", "model.layers.0.mlp.up_proj.bias", ("I",)),
-        ("layers.0.mlp.down_proj.bias", "model.layers.0.mlp.down_proj.bias", ("H",)),
-    ),
-}
-SECOND_LAYER_PREFIX = "model.layers."
-FLOAT_DTYPES = ("F32", "BF16", "F16")
-TORCH_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 def find_checkpoint_dir(path: str | os.PathLike) -> Path:
