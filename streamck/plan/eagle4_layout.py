@@ -1,6 +1,5 @@
-"""The EAGLE-4 contract (``shared/eagle4-layout.md``) as data: config keys, shape symbols,
-and the training → serving tensor table. ``eagle4.py`` holds the logic; nothing else
-names a key."""
+"""The EAGLE-4 contract (``shared/eagle4-layout.md``) as data: the config key lists, the
+shape symbols, and the training → serving tensor table. ``eagle4.py`` holds the checks."""
 
 ARCHITECTURE = "LlamaForCausalLMEagle4"
 
