@@ -268,3 +268,14 @@ def test_property_random_and_mutated_files(tmp_path, data):
     path = tmp_path / "p.safetensors"
     check_against_reference(path, data)
     refused_both_or_neither(path, data)
+
+
+def test_the_long_fuzz_script_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_headers.py"
+    proc = subprocess.run([sys.executable, str(script), "--examples", "50"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "50 examples: streamck and the reference reader agree" in proc.stdout
