@@ -28,7 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from measure import PY, contend, cp_fsync, mib, run_child, streamck, table  # noqa: E402
-from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards, parse_size  # noqa: E402
+from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards  # noqa: E402
+
+from streamck.writer import parse_size  # noqa: E402
 
 CASES: dict[str, Callable[[argparse.Namespace, Path], str]] = {}
 
@@ -38,13 +40,18 @@ def case(fn):
     return fn
 
 
-@case
-def case_rewrite(a: argparse.Namespace, tmp: Path) -> str:
-    """Unchanged-bytes rewrite (--strip-prefix model.) vs cp -r and the load/save route."""
+def checkpoints(a: argparse.Namespace, tmp: Path) -> tuple[int, int, Path, Path, int]:
+    """The synthetic checkpoint of --size and a quarter-size one (memory must not grow between them)."""
     size, embed = parse_size(a.size), parse_size(a.embed)
     big = make_checkpoint(tmp / "big", size, embed)
     small = make_checkpoint(tmp / "small", size // 4, embed // 4)
-    data = sum(p.stat().st_size for p in big.glob("*.safetensors"))
+    return size, embed, big, small, sum(p.stat().st_size for p in big.glob("*.safetensors"))
+
+
+@case
+def case_rewrite(a: argparse.Namespace, tmp: Path) -> str:
+    """Unchanged-bytes rewrite (--strip-prefix model.) vs cp -r and the load/save route."""
+    size, embed, big, small, data = checkpoints(a, tmp)
     out = tmp / "out"
     contenders = {
         "cp -r + sync": cp_fsync(big),
@@ -67,10 +74,7 @@ def case_rewrite(a: argparse.Namespace, tmp: Path) -> str:
 @case
 def case_cast(a: argparse.Namespace, tmp: Path) -> str:
     """F32 -> BF16 cast: cp of the source, in-memory torch copy_, load/.to/save, streamck --dtype bf16."""
-    size, embed = parse_size(a.size), parse_size(a.embed)
-    big = make_checkpoint(tmp / "big", size, embed)
-    small = make_checkpoint(tmp / "small", size // 4, embed // 4)
-    data = sum(p.stat().st_size for p in big.glob("*.safetensors"))
+    size, embed, big, small, data = checkpoints(a, tmp)
     out = tmp / "out"
 
     def rw(src):

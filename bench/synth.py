@@ -18,17 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from streamck.writer import parse_size
+
 ITEM = {"F32": 4, "BF16": 2, "F16": 2}
 BLOCK = 16 << 20
-
-
-def parse_size(text: str) -> int:
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    t = text.upper()
-    for unit, factor in units.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * factor)
-    return int(t)
 
 
 def llama_tensors(size: int, embed: int, dtype: str) -> list[tuple[str, list[int]]]:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 
+def listing(items: list[str], limit: int = 8) -> str:
+    """``a, b, c, … and N more``: a list for a one-line message, cut at ``limit`` items."""
+    more = f", … and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
 class StreamckError(Exception):
     """Bad input, a refused plan or a failed write; ``str()`` is one line a user can act on."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamck.dtypes import CASTABLE, nbytes
-from streamck.errors import PlanError
+from streamck.errors import PlanError, listing
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
 from streamck.source.layout import SIDE_FILES
@@ -57,11 +57,6 @@ class Plan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def _listing(items: list[str], limit: int = 8) -> str:
-    more = f", … and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
-
-
 def resolve_dtype(rules: Rules, ref: TensorRef) -> str:
     """The dtype ``ref`` is written in under ``rules``; a --cast naming a non-float tensor is an error."""
     explicit = rules.cast_for(ref.name)
@@ -95,10 +90,10 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_fil
         tensors.append(OutputTensor(out, ref, resolve_dtype(rules, ref)))
     collisions = [f"{', '.join(srcs)} -> {out}" for out, srcs in by_name.items() if len(srcs) > 1]
     if collisions:
-        raise PlanError(f"{len(collisions)} output names collide: {_listing(collisions, 5)}")
+        raise PlanError(f"{len(collisions)} output names collide: {listing(collisions, 5)}")
     bad = [repr(n) for n in by_name if not n or n == "__metadata__"]
     if bad:
-        raise PlanError(f"rules produce invalid tensor names: {_listing(bad)}")
+        raise PlanError(f"rules produce invalid tensor names: {listing(bad)}")
     if not tensors:
         raise PlanError(f"the rules leave no tensor out of {len(checkpoint.tensors)}")
     metadata = {**checkpoint.metadata}

@@ -30,15 +30,16 @@ from streamck.plan.eagle4_layout import (
 )
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
+from streamck.source.layout import CONSOLIDATED
 
 
 def find_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The given directory if it holds config.json, else its ``model/consolidated``."""
     path = Path(path)
-    for candidate in (path, path / "model" / "consolidated"):
+    for candidate in (path, path / CONSOLIDATED):
         if (candidate / "config.json").is_file():
             return candidate
-    raise PlanError(f"no config.json in {path} nor in {path / 'model' / 'consolidated'}")
+    raise PlanError(f"no config.json in {path} nor in {path / CONSOLIDATED}")
 
 
 def _load_config(directory: Path) -> dict:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamck.errors import CheckpointError
+from streamck.errors import CheckpointError, listing
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
@@ -81,9 +81,8 @@ def _map_error(
     if shard is not None:
         missing = [n for n in names if n not in layout.weight_map]
         if missing:
-            shown = ", ".join(repr(n) for n in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            return CheckpointError(f"shard tensors missing from weight_map: {shown}{more}", layout.index)
+            shown = listing([repr(n) for n in missing], 5)
+            return CheckpointError(f"shard tensors missing from weight_map: {shown}", layout.index)
         name = next(n for n in names if layout.weight_map[n] not in layout.spellings[shard])
         return CheckpointError(
             f"weight_map puts {name!r} in {layout.weight_map[name]}, but it is in {shard.relative_to(layout.root)}",

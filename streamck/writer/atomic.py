@@ -94,13 +94,15 @@ def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool
     """Refuse a target that is, links to, or would contain a source file, or that exists
     (unless ``force``, or it is an empty directory and a directory is to be written)."""
     resolved = final.resolve()
+    exists = final.exists()
+    target = os.stat(final) if exists else None
     for src in sources:
         src_resolved = src.resolve()
         if src_resolved == resolved or resolved in src_resolved.parents:
             raise OutputError("refusing to write over the source checkpoint", final)
-        if final.exists() and os.path.samefile(final, src):
+        if target is not None and os.path.samestat(target, os.stat(src)):
             raise OutputError(f"refusing to write over the source checkpoint (same file as {src})", final)
-    if final.is_symlink() or final.exists():
+    if final.is_symlink() or exists:
         if is_dir and final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
             return
         if not force:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from streamck.dtypes import BITS, CASTABLE
 from streamck.errors import StreamckError
 from streamck.fileio import read_into, write_all
 
@@ -15,7 +16,7 @@ from streamck.fileio import read_into, write_all
 # process (input, output and two flag temporaries), on top of torch's ~200 MiB.
 CAST_CHUNK = 16 << 20
 
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+ITEMSIZE = {name: BITS[name] // 8 for name in CASTABLE}
 # Largest finite value of each castable dtype, to know which casts can overflow.
 _RANGE = {"F64": 1.8e308, "F32": 3.4028234664e38, "BF16": 3.3895313892e38, "F16": 65504.0}
 
