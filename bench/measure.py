@@ -28,18 +28,33 @@ class Runs:
         return max(self.rss)
 
 
+# Runs argv[2:], writes its peak RSS in KiB to argv[1], exits with its status.
+_RUSAGE = (
+    "import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)"
+)
+
+
+def _peak_rss(out: str) -> list[str]:
+    """A small wrapper process that writes its child's peak RSS (KiB) into the file ``out``."""
+    if shutil.which("/usr/bin/time"):
+        return ["/usr/bin/time", "-f", "%M", "-o", out]
+    return [sys.executable, "-c", _RUSAGE, out]  # machines without GNU time (the GPU image)
+
+
 def run_child(cmd: list[str], settle: float = 10.0) -> tuple[float, int]:
     """Sleep ``settle`` seconds (the host reclaims idle memory; let it), then run ``cmd``
     with output discarded; return (wall seconds, peak RSS bytes of it and its children).
 
-    The child is started through /usr/bin/time, a small process: a child spawned
+    The child is started through /usr/bin/time (or, where that is missing, a small
+    Python that reads getrusage of its one child), a small process: a child spawned
     straight from this (large) Python shares its memory until exec, and the kernel
     counts that into the child's peak RSS.
     """
     time.sleep(settle)
     with tempfile.NamedTemporaryFile("r") as rss_file:
         t0 = time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss_file.name, *cmd], stdout=subprocess.DEVNULL)
+        proc = subprocess.run([*_peak_rss(rss_file.name), *cmd], stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed with status {proc.returncode}")

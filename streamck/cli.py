@@ -42,6 +42,13 @@ class _AddRule(argparse.Action):
         namespace.rules = [*(namespace.rules or []), Rule(self.dest, value)]
 
 
+def _device(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if not (text == "cpu" or (kind == "cuda" and (not index or index.isdigit()))):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+    return text
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.src, args.step)
     if args.json:
@@ -188,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--max-shard-size", metavar="SIZE", help="split into shards (5GB, 500MiB)")
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
-    rw.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where casts run (default cpu)")
+    rw.add_argument(
+        "--device", type=_device, default=None, metavar="cpu|cuda[:N]", help="where casts run (default cpu)"
+    )
     rw.add_argument("--force", action="store_true", help="replace an existing output")
     rw.add_argument("--no-copy-files", action="store_true", help="do not copy config and tokenizer files along")
     rw.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")

@@ -17,7 +17,7 @@ TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16
 BITS = {"F64": torch.int64, "F32": torch.int32, "F16": torch.int16, "BF16": torch.int16}
 
 
-def cast_via_streamck(tmp_path, src_dtype: str, raw: bytes, dst_dtype: str, chunk: int = 1 << 20):
+def cast_via_streamck(tmp_path, src_dtype: str, raw: bytes, dst_dtype: str, chunk: int = 1 << 20, device="cpu"):
     """Write ``raw`` as one tensor, rewrite it with --dtype, return (output bytes, overflow)."""
     itemsize = torch.empty(0, dtype=TORCH[src_dtype]).element_size()
     n = len(raw) // itemsize
@@ -27,7 +27,8 @@ def cast_via_streamck(tmp_path, src_dtype: str, raw: bytes, dst_dtype: str, chun
         raw,
     )
     out = tmp_path / f"out-{src_dtype}-{dst_dtype}.safetensors"
-    result = rewrite(compile_plan(open_checkpoint(src), Rules(dtype=dst_dtype)), out, chunk=chunk, force=True)
+    plan = compile_plan(open_checkpoint(src), Rules(dtype=dst_dtype))
+    result = rewrite(plan, out, chunk=chunk, force=True, device=device)
     return bytes(open_checkpoint(out).read("t")), result.overflow.get("t", 0)
 
 
@@ -181,31 +182,3 @@ def test_cli_dry_run_shows_dtypes(tmp_path):
     proc = streamck("rewrite", _mixed(tmp_path), "--dry-run", "--dtype", "bf16", "--cast", "*norm*=fp32")
     assert "F32->BF16" in proc.stdout and "c.step" in proc.stdout
     assert "a.norm.weight  a.norm.weight  F32 " in proc.stdout
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")
-def test_cuda_without_gpu_is_a_clear_error(tmp_path):
-    proc = streamck(
-        "rewrite", _mixed(tmp_path), "-o", tmp_path / "o.safetensors", "--dtype", "bf16", "--device", "cuda"
-    )
-    assert proc.returncode == 2
-    assert "no usable CUDA device" in proc.stderr and proc.stderr.count("\n") == 1
-    assert not (tmp_path / "o.safetensors").exists()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_cast_matches_cpu(tmp_path):
-    # Same bits as the CPU path for every value; NaN payloads may differ (CUDA writes
-    # 0x7FFF for a bf16 NaN where torch's CPU code writes 0x7FC0), NaN stays NaN.
-    raw = _f32_ties() + np.random.default_rng(2).standard_normal(300_001, dtype=np.float32).tobytes()
-    n = len(raw) // 4
-    src = raw_file(
-        tmp_path / "s.safetensors", {"t": {"dtype": "F32", "shape": [n], "data_offsets": [0, len(raw)]}}, raw
-    )
-    for dst in ("BF16", "F16"):
-        plan = compile_plan(open_checkpoint(src), Rules(dtype=dst))
-        gpu = rewrite(plan, tmp_path / f"gpu-{dst}.safetensors", chunk=100_000, device="cuda")
-        got = bytes(open_checkpoint(tmp_path / f"gpu-{dst}.safetensors").read("t"))
-        assert_same_as_torch(got, "F32", raw, dst)
-        cpu = rewrite(plan, tmp_path / f"cpu-{dst}.safetensors", chunk=100_000)
-        assert cpu.overflow == gpu.overflow

@@ -72,9 +72,9 @@ class ShardWriter:
         """The caster for this run, made (torch imported, buffers allocated, the device
         checked) on first use; call it before writing to fail before any file exists."""
         if self.caster is None:
-            from streamck.writer.cast import CAST_CHUNK, Caster
+            from streamck.writer.cast import CAST_CHUNK, new_caster
 
-            self.caster = Caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
+            self.caster = new_caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
         return self.caster
 
     def write(self, shard: Shard, out: int) -> None:
@@ -107,7 +107,7 @@ class ShardWriter:
         from streamck.writer.cast import CAST_CHUNK, Caster
 
         if self._cpu_caster is None:
-            self._cpu_caster = Caster(min(self.chunk, CAST_CHUNK), "cpu")
+            self._cpu_caster = Caster(min(self.chunk, CAST_CHUNK))
         return self._cpu_caster
 
     def write_file(self, shard: Shard, path: Path) -> None:

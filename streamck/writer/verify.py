@@ -16,10 +16,10 @@ def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
     # disagree, and so do CPU and CUDA); any other difference is a real one.
     import torch
 
-    from streamck.writer.cast import _torch_dtype
+    from streamck.writer.cast import torch_dtype
 
-    x = torch.frombuffer(bytearray(a), dtype=_torch_dtype(dtype))
-    y = torch.frombuffer(bytearray(b), dtype=_torch_dtype(dtype))
+    x = torch.frombuffer(bytearray(a), dtype=torch_dtype(dtype))
+    y = torch.frombuffer(bytearray(b), dtype=torch_dtype(dtype))
     same = (x.view(torch.uint8) == y.view(torch.uint8)).view(-1, x.element_size()).all(1)
     return bool((same | (torch.isnan(x) & torch.isnan(y))).all())
 

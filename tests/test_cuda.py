@@ -1,0 +1,135 @@
+"""--device cuda: the overlapped schedule (against a fake device, no GPU needed) and,
+on a machine with a GPU, the bits of every cast against torch's CPU Tensor.to()."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers import raw_file
+from test_cast import ALL_16, _f32_ties, assert_same_as_torch, cast_via_streamck
+
+from streamck.writer.cudacast import pipeline
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class LateDevice:
+    """Does a slot's work only when its event is synchronized: the latest a real device
+    could. A host that refills a slot's input, or writes its output, before that point
+    reads or writes another chunk's bytes, and the output comes out wrong."""
+
+    def __init__(self, slots: int, size: int):
+        self.inp = [bytearray(size) for _ in range(slots)]
+        self.out = [bytearray(size) for _ in range(slots)]
+        self.in_flight = self.most_in_flight = 0
+
+    def submit(self, slot: int, k: int):
+        device = self
+        device.in_flight += 1
+        device.most_in_flight = max(device.most_in_flight, device.in_flight)
+
+        class Event:
+            done = False
+
+            def synchronize(self) -> None:
+                if not self.done:
+                    device.out[slot][:k] = bytes(b ^ 0x5A for b in device.inp[slot][:k])
+                    device.in_flight -= 1
+                    self.done = True
+
+        return Event()
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 1000])
+def test_pipeline_touches_a_slot_only_after_its_work(slots, n):
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    chunk = 3
+    steps = [(i, min(chunk, n - i)) for i in range(0, n, chunk)]
+    dev, written = LateDevice(slots, chunk), bytearray()
+
+    def read(slot: int, start: int, k: int) -> None:
+        dev.inp[slot][:k] = data[start : start + k]
+
+    pipeline(steps, slots, read, dev.submit, lambda slot, k: written.extend(dev.out[slot][:k]))
+    assert bytes(written) == bytes(b ^ 0x5A for b in data)
+    assert dev.in_flight == 0
+    assert dev.most_in_flight == min(slots, len(steps))  # overlapped, never more than the slots
+
+
+def streamck(*args):
+    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
+
+
+def _checkpoint(tmp_path):
+    rng = np.random.default_rng(5)
+    big = (rng.standard_normal(300_001) * 3e4).astype(np.float32)  # some beyond F16's 65504
+    header = {
+        "big": {"dtype": "F32", "shape": [300_001], "data_offsets": [0, 1_200_004]},
+        "norm": {"dtype": "F32", "shape": [3], "data_offsets": [1_200_004, 1_200_016]},
+        "step": {"dtype": "I64", "shape": [1], "data_offsets": [1_200_016, 1_200_024]},
+    }
+    data = big.tobytes() + np.float32([1, 2, 3]).tobytes() + np.int64(9).tobytes()
+    return raw_file(tmp_path / "m.safetensors", header, data)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")
+def test_cuda_without_gpu_is_a_clear_error(tmp_path):
+    proc = streamck(
+        "rewrite", _checkpoint(tmp_path), "-o", tmp_path / "o.safetensors", "--dtype", "bf16", "--device", "cuda"
+    )
+    assert proc.returncode == 2
+    assert "no usable CUDA device" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_unknown_device_is_refused(tmp_path):
+    proc = streamck("rewrite", _checkpoint(tmp_path), "-o", tmp_path / "o.safetensors", "--device", "gpu")
+    assert proc.returncode == 2 and "'gpu' is not cpu, cuda or cuda:N" in proc.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def _source(dtype: str) -> bytes:
+    rng = np.random.default_rng(7)
+    if dtype in ("F16", "BF16"):
+        return ALL_16
+    if dtype == "F32":
+        return _f32_ties() + (rng.standard_normal(100_003) * 1e4).astype(np.float32).tobytes()
+    # F64: values across F32's and F16's ranges and their edges, and raw bit patterns
+    scaled = rng.standard_normal(60_000) * 2.0 ** rng.integers(-160, 140, 60_000)
+    edges = np.float64([65504, 65519.99, 65520, 3.4028235e38, 3.4028236e38, 2.0**-149, 2.0**-150, 2.0**-24, 2.0**-25])
+    words = rng.integers(0, 1 << 63, 40_000, dtype=np.uint64) | rng.integers(0, 2, 40_000, dtype=np.uint64) << 63
+    return np.concatenate([scaled, edges, -edges]).tobytes() + words.tobytes()
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    ("src", "dst"), [(s, d) for s in ("F64", "F32", "F16", "BF16") for d in ("F64", "F32", "F16", "BF16") if s != d]
+)
+def test_cuda_cast_matches_cpu(tmp_path, src, dst):
+    # Same bits as torch's CPU Tensor.to for every value but NaN payloads (CUDA writes
+    # 0x7FFF for a BF16 NaN where the CPU writes 0x7FC0); the same overflow counts.
+    raw = _source(src)
+    chunk = 4096 * 3 + 8  # many steps, both slots reused, a short last one
+    got, overflow = cast_via_streamck(tmp_path, src, raw, dst, chunk=chunk, device="cuda")
+    assert_same_as_torch(got, src, raw, dst)
+    _, cpu_overflow = cast_via_streamck(tmp_path, src, raw, dst, chunk=chunk, device="cpu")
+    assert overflow == cpu_overflow
+
+
+@needs_gpu
+def test_cli_cuda_rewrite_equals_cpu(tmp_path):
+    # No NaN in the data: the whole sharded output is byte-identical to the CPU run's.
+    src = _checkpoint(tmp_path)
+    common = ["--dtype", "fp16", "--cast", "norm=fp32", "--max-shard-size", "300KB", "--verify", "--json"]
+    cpu = streamck("rewrite", src, "-o", tmp_path / "cpu", *common)
+    gpu = streamck("rewrite", src, "-o", tmp_path / "gpu", *common, "--device", "cuda:0")
+    assert cpu.returncode == gpu.returncode == 0, gpu.stderr
+    assert json.loads(gpu.stdout)["overflow"] == json.loads(cpu.stdout)["overflow"] != {}
+    names = sorted(p.name for p in (tmp_path / "cpu").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "gpu").iterdir()) and len(names) > 2
+    for name in names:
+        assert (tmp_path / "cpu" / name).read_bytes() == (tmp_path / "gpu" / name).read_bytes(), name
