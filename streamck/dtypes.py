@@ -38,6 +38,9 @@ RANK: dict[str, int] = {name: i for i, name in enumerate(BITS)}
 # Casts are offered between these; the rest are carried unchanged.
 CASTABLE = ("F64", "F32", "F16", "BF16")
 
+# What a config.json's ``torch_dtype`` calls them.
+TORCH_NAMES: dict[str, str] = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
 ALIASES: dict[str, str] = {
     "float64": "F64",
     "fp64": "F64",

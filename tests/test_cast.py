@@ -182,3 +182,66 @@ def test_cli_dry_run_shows_dtypes(tmp_path):
     proc = streamck("rewrite", _mixed(tmp_path), "--dry-run", "--dtype", "bf16", "--cast", "*norm*=fp32")
     assert "F32->BF16" in proc.stdout and "c.step" in proc.stdout
     assert "a.norm.weight  a.norm.weight  F32 " in proc.stdout
+
+
+def _with_config(tmp_path, config: str):
+    src = tmp_path / "ck"
+    src.mkdir(parents=True)
+    _mixed(src).rename(src / "model.safetensors")
+    (src / "config.json").write_text(config)
+    return src
+
+
+HF_CONFIG = """{
+  "architectures": [
+    "LlamaForCausalLM"
+  ],
+  "rms_norm_eps": 1e-05,
+  "torch_dtype": "float32",
+  "dtype": "float32",
+  "vocab_size": 8
+}
+"""
+
+
+def test_dtype_cast_relabels_a_copied_config(tmp_path):
+    # Loaders take the compute dtype from config.json: bf16 weights labelled float32 would
+    # be served in float16 or float32. Everything else in the file stays as it was.
+    src = _with_config(tmp_path, HF_CONFIG)
+    dry = streamck("rewrite", src, "--dry-run", "--dtype", "bf16")
+    assert "config.json: torch_dtype float32 -> bfloat16" in dry.stdout
+    assert "config.json: dtype float32 -> bfloat16" in dry.stdout
+    proc = streamck("rewrite", src, "-o", tmp_path / "out", "--dtype", "bf16", "--cast", "*norm*=fp32")
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "out" / "config.json").read_text()
+    assert text == HF_CONFIG.replace('"float32"', '"bfloat16"')  # written as transformers writes it
+    odd = _with_config(tmp_path / "odd", '{"torch_dtype":"float32","layers":[1,2],"sub":{"torch_dtype":"float32"}}')
+    assert streamck("rewrite", odd, "-o", tmp_path / "odd-out", "--dtype", "fp16").returncode == 0
+    want = {"torch_dtype": "float16", "layers": [1, 2], "sub": {"torch_dtype": "float32"}}
+    got = json.loads((tmp_path / "odd-out" / "config.json").read_text())
+    assert got == want and list(got) == list(want)
+
+
+@pytest.mark.parametrize(
+    ("config", "args"),
+    [
+        (HF_CONFIG, ["--cast", "*.weight=bf16"]),  # only --dtype says what the whole model is
+        (HF_CONFIG, ["--strip-prefix", "x."]),  # no cast at all
+        (HF_CONFIG.replace("float32", "bfloat16"), ["--dtype", "bf16"]),  # already right
+        ('{"hidden_size": 4}', ["--dtype", "bf16"]),  # names no dtype
+        ("{not json", ["--dtype", "bf16"]),  # not ours to judge
+        ('["a list"]', ["--dtype", "bf16"]),
+    ],
+)
+def test_config_copied_byte_for_byte_otherwise(tmp_path, config, args):
+    src = _with_config(tmp_path, config)
+    proc = streamck("rewrite", src, "-o", tmp_path / "out", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "config.json").read_text() == config
+
+
+def test_single_file_output_of_a_dir_with_config(tmp_path):
+    src = _with_config(tmp_path, HF_CONFIG)
+    proc = streamck("rewrite", src, "-o", tmp_path / "one.safetensors", "--dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "one.safetensors"]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamck.dtypes import CASTABLE, nbytes
+from streamck.dtypes import CASTABLE, TORCH_NAMES, nbytes
 from streamck.errors import PlanError, listing
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
@@ -39,7 +40,8 @@ class Plan:
     """Everything a rewrite writes: tensors, header metadata, and small files beside them.
 
     ``files`` must be written beside the tensors (so the output must be a directory);
-    ``side_files`` are copied there when it is one (config, tokenizer). ``summary``
+    ``side_files`` go there when it is one (config, tokenizer): a path is copied, bytes
+    (a config edited for a cast) are written. ``summary``
     holds lines a dry run prints above the tensor table; ``single_file`` forbids
     sharding (a plan whose consumer loads exactly one model.safetensors).
     """
@@ -50,7 +52,7 @@ class Plan:
     source: Checkpoint | None = None
     summary: list[str] = field(default_factory=list)
     single_file: bool = False
-    side_files: dict[str, Path] = field(default_factory=dict)
+    side_files: dict[str, Path | bytes] = field(default_factory=dict)
 
     @property
     def total_size(self) -> int:
@@ -99,7 +101,28 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_fil
     metadata = {**checkpoint.metadata}
     metadata.setdefault("format", "pt")
     tensors.sort(key=lambda t: t.name)
-    side = {}
+    side: dict[str, Path | bytes] = {}
+    summary = []
     if copy_files and checkpoint.path.is_dir():
         side = {n: checkpoint.root / n for n in SIDE_FILES if (checkpoint.root / n).is_file()}
-    return Plan(tensors, metadata, source=checkpoint, side_files=side)
+        if rules.dtype and "config.json" in side:
+            side["config.json"], summary = _config_cast(side["config.json"], rules.dtype)
+    return Plan(tensors, metadata, source=checkpoint, summary=summary, side_files=side)
+
+
+def _config_cast(path: Path, dtype: str) -> tuple[Path | bytes, list[str]]:
+    """``config.json`` with its top-level ``torch_dtype`` (transformers 5: ``dtype``) set to
+    the ``--dtype`` cast's, and a line saying so; the file itself when there is nothing to
+    change. Loaders pick the compute dtype from it (``torch_dtype="auto"``, vLLM), and a
+    float32 label on bf16 weights would have them serve in float16 or float32."""
+    try:
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return path, []  # not ours to judge: copied as is
+    name = TORCH_NAMES[dtype]
+    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config, dict) and config.get(k) not in (None, name)]
+    if not keys:
+        return path, []
+    lines = [f"config.json: {k} {config[k]} -> {name}" for k in keys]
+    config.update(dict.fromkeys(keys, name))
+    return (json.dumps(config, indent=2) + "\n").encode(), lines

@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
 from streamck.plan.eagle4_layout import (
@@ -26,7 +27,6 @@ from streamck.plan.eagle4_layout import (
     STRUCTURE_LABELS,
     SYMBOLS,
     TENSORS,
-    TORCH_DTYPE_NAMES,
 )
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
@@ -143,7 +143,7 @@ def serving_config(config: dict, dtype: str | None = None) -> dict:
     out = {k: config[k] for k in COPIED_CONFIG if k in config}
     out.update(SET_CONFIG)
     if dtype is not None and "torch_dtype" in out:
-        out["torch_dtype"] = TORCH_DTYPE_NAMES[dtype]
+        out["torch_dtype"] = TORCH_NAMES[dtype]
     return dict(sorted(out.items()))
 
 

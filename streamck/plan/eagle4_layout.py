@@ -103,4 +103,3 @@ BIASES = {
 }
 SECOND_LAYER_PREFIX = "model.layers."
 FLOAT_DTYPES = ("F32", "BF16", "F16")
-TORCH_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}

@@ -131,18 +131,18 @@ def _write_extras(plan: Plan, shards: list[Shard], directory: Path) -> list[str]
     files = dict(plan.files)
     if len(shards) > 1:
         files[INDEX_NAME] = index_bytes(shards)
-    for name, data in files.items():
-        (directory / name).write_bytes(data)
-    copied = [n for n in plan.side_files if n not in files]
-    for name in copied:
-        shutil.copyfile(plan.side_files[name], directory / name)
-    for name in [*files, *copied]:
+    extras = {**plan.side_files, **files}  # the plan's own files win over copies
+    for name, data in extras.items():
+        if isinstance(data, bytes):
+            (directory / name).write_bytes(data)
+        else:
+            shutil.copyfile(data, directory / name)
         fd = os.open(directory / name, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    return sorted([*files, *copied])
+    return sorted(extras)
 
 
 def _to_stdout(
