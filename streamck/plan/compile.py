@@ -102,11 +102,11 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_fil
     metadata.setdefault("format", "pt")
     tensors.sort(key=lambda t: t.name)
     side: dict[str, Path | bytes] = {}
-    summary = []
+    summary: list[str] = []
     if copy_files and checkpoint.path.is_dir():
         side = {n: checkpoint.root / n for n in SIDE_FILES if (checkpoint.root / n).is_file()}
         if rules.dtype and "config.json" in side:
-            side["config.json"], summary = _config_cast(side["config.json"], rules.dtype)
+            side["config.json"], summary = _config_cast(checkpoint.root / "config.json", rules.dtype)
     return Plan(tensors, metadata, source=checkpoint, summary=summary, side_files=side)
 
 
