@@ -133,3 +133,23 @@ def test_cli_cuda_rewrite_equals_cpu(tmp_path):
     assert names == sorted(p.name for p in (tmp_path / "gpu").iterdir()) and len(names) > 2
     for name in names:
         assert (tmp_path / "cpu" / name).read_bytes() == (tmp_path / "gpu" / name).read_bytes(), name
+
+
+@needs_gpu
+def test_cuda_run_casts_gathered_views_on_the_cpu(tmp_path):
+    from test_torch_sources import tricky_state_dict
+
+    torch.save(tricky_state_dict(), tmp_path / "a.bin")
+    for device in ("cpu", "cuda"):
+        proc = streamck(
+            "rewrite",
+            tmp_path / "a.bin",
+            "-o",
+            tmp_path / f"{device}.safetensors",
+            "--dtype",
+            "bf16",
+            "--device",
+            device,
+        )
+        assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "cpu.safetensors").read_bytes() == (tmp_path / "cuda.safetensors").read_bytes()

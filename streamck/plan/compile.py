@@ -65,11 +65,6 @@ def resolve_dtype(rules: Rules, ref: TensorRef) -> str:
     if explicit is not None and ref.dtype not in CASTABLE:
         raise PlanError(f"--cast matches {ref.name!r}, a {ref.dtype} tensor, which is never cast")
     dtype = explicit or (rules.dtype if rules.dtype is not None and ref.dtype in CASTABLE else ref.dtype)
-    if dtype != ref.dtype and ref.strides is not None:
-        raise PlanError(
-            f"{ref.name!r} is a non-contiguous view in {ref.path.name}; casting such views is not "
-            "supported (rewrite without a cast first)"
-        )
     return dtype
 
 

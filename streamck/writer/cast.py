@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from streamck.dtypes import BITS, CASTABLE
 from streamck.errors import StreamckError
 from streamck.fileio import read_into, write_all
+from streamck.source.header import TensorRef
+from streamck.source.strided import gather
 
 # Source bytes per cast step. Smaller than the copy chunk: these pages live in this
 # process (input, output and two flag temporaries), on top of torch's ~200 MiB.
@@ -63,7 +65,7 @@ def new_caster(chunk: int = CAST_CHUNK, device: str = "cpu"):
 
 
 class Caster:
-    """Casts a range of source bytes on the CPU and appends the result to a destination fd.
+    """Casts tensors on the CPU and appends the result to a destination fd.
 
     Holds one input and one output buffer of about ``chunk`` bytes each, reused for
     every tensor.
@@ -77,37 +79,36 @@ class Caster:
         self.host_out = torch.empty(chunk, dtype=torch.uint8)
 
     def cast(
-        self,
-        fd: int,
-        offset: int,
-        numel: int,
-        src: str,
-        dst: str,
-        out: int,
-        path: str,
-        progress: Callable[[int], None] = lambda n: None,
+        self, ref: TensorRef, dst: str, fd: int, out: int, progress: Callable[[int], None] = lambda n: None
     ) -> int:
-        """Cast ``numel`` elements of ``src`` read from ``fd`` at ``offset``; append them as
-        ``dst`` to ``out``. Returns how many finite values became infinite."""
+        """Cast the tensor ``ref``, read through ``fd`` (open on its file), to ``dst`` and
+        append it to ``out``. Returns how many finite values became infinite."""
         overflow = 0
-        for view, inf in self.convert(fd, offset, numel, src, dst, path):
+        for view, inf in self.convert(ref, dst, fd):
             write_all(out, view)
             progress(len(view))
             overflow += inf
         return overflow
 
-    def convert(
-        self, fd: int, offset: int, numel: int, src: str, dst: str, path: str
-    ) -> Iterator[tuple[memoryview, int]]:
-        """Step by step: (output bytes, finite values that became infinite). Each view is
-        valid until the next step."""
-        sdt, ddt = torch_dtype(src), torch_dtype(dst)
-        si, di = ITEMSIZE[src], ITEMSIZE[dst]
-        check = can_overflow(src, dst)
-        for start, k in chunk_steps(self.chunk, numel, src, dst):
-            read_into(fd, memoryview(self.host_in.numpy())[: k * si], offset + start * si, path)
-            a = self.host_in[: k * si].view(sdt)
-            b = self.host_out[: k * di].view(ddt)
-            b.copy_(a)
-            inf = _new_infinities(a, b, dst) if check else 0
-            yield memoryview(self.host_out.numpy())[: k * di], inf
+    def convert(self, ref: TensorRef, dst: str, fd: int) -> Iterator[tuple[memoryview, int]]:
+        """Step by step: (output bytes, finite values that became infinite), each view valid
+        until the next step. A non-contiguous torch view is gathered in row-major blocks."""
+        src, inp = ref.dtype, memoryview(self.host_in.numpy())
+        si = ITEMSIZE[src]
+        if ref.strides is None:
+            for start, k in chunk_steps(self.chunk, ref.numel, src, dst):
+                read_into(fd, inp[: k * si], ref.start + start * si, str(ref.path))
+                yield self._step(k, src, dst)
+        else:
+            for block in gather(ref, self.chunk // max(si, ITEMSIZE[dst]) * si):
+                inp[: len(block)] = block
+                yield self._step(len(block) // si, src, dst)
+
+    def _step(self, k: int, src: str, dst: str) -> tuple[memoryview, int]:
+        """Cast the first ``k`` elements of the input buffer into the output buffer."""
+        di = ITEMSIZE[dst]
+        a = self.host_in[: k * ITEMSIZE[src]].view(torch_dtype(src))
+        b = self.host_out[: k * di].view(torch_dtype(dst))
+        b.copy_(a)
+        inf = _new_infinities(a, b, dst) if can_overflow(src, dst) else 0
+        return memoryview(self.host_out.numpy())[: k * di], inf

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from streamck.errors import StreamckError
 from streamck.fileio import read_into, write_all
+from streamck.source.header import TensorRef
 from streamck.writer.cast import ITEMSIZE, can_overflow, chunk_steps, torch_dtype
 
 SLOTS = 2
@@ -76,20 +77,16 @@ class CudaCaster:
         ]
 
     def cast(
-        self,
-        fd: int,
-        offset: int,
-        numel: int,
-        src: str,
-        dst: str,
-        out: int,
-        path: str,
-        progress: Callable[[int], None] = lambda n: None,
+        self, ref: TensorRef, dst: str, fd: int, out: int, progress: Callable[[int], None] = lambda n: None
     ) -> int:
-        """Cast ``numel`` elements of ``src`` read from ``fd`` at ``offset``; append them as
-        ``dst`` to ``out``. Returns how many finite values became infinite."""
+        """Cast the tensor ``ref``, read through ``fd`` (open on its file), to ``dst`` and
+        append it to ``out``. Returns how many finite values became infinite. ``ref`` must
+        be contiguous: a non-contiguous torch view is gathered, on the CPU (``Caster``)."""
+        if ref.strides is not None:
+            raise ValueError(f"{ref.name}: a non-contiguous view is cast by the CPU Caster")
         import torch
 
+        src, path = ref.dtype, str(ref.path)
         sdt, ddt = torch_dtype(src), torch_dtype(dst)
         si, di = ITEMSIZE[src], ITEMSIZE[dst]
         check = can_overflow(src, dst)
@@ -101,7 +98,7 @@ class CudaCaster:
 
         def read(slot: int, start: int, k: int) -> None:
             host_in = self.slots[slot][0]
-            read_into(fd, memoryview(host_in.numpy())[: k * si], offset + start * si, path)
+            read_into(fd, memoryview(host_in.numpy())[: k * si], ref.start + start * si, path)
 
         def submit(slot: int, k: int) -> Event:
             host_in, host_out, dev_in, dev_out, stream = self.slots[slot]
@@ -120,6 +117,6 @@ class CudaCaster:
             write_all(out, memoryview(self.slots[slot][1].numpy())[: k * di])
             progress(k * di)
 
-        pipeline(chunk_steps(self.chunk, numel, src, dst), len(self.slots), read, submit, write)
+        pipeline(chunk_steps(self.chunk, ref.numel, src, dst), len(self.slots), read, submit, write)
         torch.cuda.synchronize(self.device)
         return sum(int(c) for c in counts)

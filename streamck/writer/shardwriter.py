@@ -84,9 +84,9 @@ class ShardWriter:
             src = t.source
             fd = self._fd(src.path)
             if t.is_cast:
-                n = self.get_caster().cast(
-                    fd, src.start, src.numel, src.dtype, t.dtype, out, str(src.path), self.progress
-                )
+                # A non-contiguous torch view is gathered, and so cast, on the CPU.
+                caster = self.get_caster() if src.strides is None else self.cpu_caster()
+                n = caster.cast(src, t.dtype, fd, out, self.progress)
                 if n:
                     self.overflow[t.name] = n
             elif src.strides is not None:  # a non-contiguous torch view: gathered, not copied
@@ -104,9 +104,12 @@ class ShardWriter:
                     since_drop = 0
 
     def cpu_caster(self):
-        from streamck.writer.cast import CAST_CHUNK, Caster
-
+        """A CPU caster: this run's own when it casts on the CPU, else one made on first use."""
+        if (self.device or "cpu") == "cpu":
+            return self.get_caster()
         if self._cpu_caster is None:
+            from streamck.writer.cast import CAST_CHUNK, Caster
+
             self._cpu_caster = Caster(min(self.chunk, CAST_CHUNK))
         return self._cpu_caster
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from streamck.errors import OutputError
-from streamck.source import TensorRef
+from streamck.fileio import read_into
+from streamck.plan import OutputTensor
 from streamck.source.reader import ChunkReader
 from streamck.writer.layout import Shard
 
@@ -24,31 +26,36 @@ def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
     return bool((same | (torch.isnan(x) & torch.isnan(y))).all())
 
 
-def verify_shard(shard: Shard, path: Path, caster_factory) -> None:
+def _expected(t: OutputTensor, reader: ChunkReader, caster_factory: Callable) -> Iterator[memoryview]:
+    """What ``t`` should hold, in bounded pieces: its source's bytes, or a fresh CPU cast."""
+    if not t.is_cast:
+        yield from reader.chunks(t.source)
+        return
+    fd = os.open(t.source.path, os.O_RDONLY)
+    try:
+        for view, _ in caster_factory().convert(t.source, t.dtype, fd):
+            yield view
+    finally:
+        os.close(fd)
+
+
+def verify_shard(shard: Shard, path: Path, caster_factory: Callable) -> None:
     """Check every tensor of the written ``shard`` at ``path`` against its source: equal
     bytes, or for a cast equal to a fresh cast of the source. Raises OutputError."""
-    offset = len(shard.header)
-    with ChunkReader() as out_reader, ChunkReader() as src_reader:
-        for t in shard.tensors:
-            written = TensorRef(t.name, t.dtype, t.shape, path, offset, offset + t.nbytes)
-            offset += t.nbytes
-            if not t.is_cast:
-                pairs = zip(out_reader.chunks(written), src_reader.chunks(t.source), strict=True)
-                if any(a != b for a, b in pairs):
-                    raise OutputError(f"verification failed: {t.name} differs from its source", path)
-                continue
-            src = t.source
-            fd = os.open(src.path, os.O_RDONLY)
-            try:
-                pos = written.start
-                for expected, _ in caster_factory().convert(
-                    fd, src.start, src.numel, src.dtype, t.dtype, str(src.path)
-                ):
-                    got = next(out_reader.chunks(written._replace(start=pos, end=pos + len(expected))))
-                    if got != expected and not _nan_only(got, expected, t.dtype):
-                        raise OutputError(
-                            f"verification failed: {t.name} differs from a fresh cast of its source", path
-                        )
-                    pos += len(expected)
-            finally:
-                os.close(fd)
+    offset, buffer = len(shard.header), bytearray()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ChunkReader() as reader:
+            for t in shard.tensors:
+                for expected in _expected(t, reader, caster_factory):
+                    if len(buffer) < len(expected):
+                        buffer = bytearray(len(expected))
+                    got = memoryview(buffer)[: len(expected)]
+                    read_into(fd, got, offset, str(path))
+                    offset += len(expected)
+                    if got == expected or (t.is_cast and _nan_only(got, expected, t.dtype)):
+                        continue
+                    what = "a fresh cast of its source" if t.is_cast else "its source"
+                    raise OutputError(f"verification failed: {t.name} differs from {what}", path)
+    finally:
+        os.close(fd)
