@@ -156,6 +156,30 @@ def case_bin(a: argparse.Namespace, tmp: Path) -> str:
 
 
 @case
+def case_view(a: argparse.Namespace, tmp: Path) -> str:
+    """A transposed (non-contiguous) view of --embed bytes in a .bin: gathered, and gathered + cast."""
+    import torch
+
+    side = int((parse_size(a.embed) // 4) ** 0.5)
+    src = tmp / "view.bin"
+    torch.save({"w": torch.empty(side, side).normal_().t()}, src)
+    os.sync()
+    data = src.stat().st_size
+    contenders = {
+        "cp + sync": lambda o: ["sh", "-c", f'cp "{src}" "{o}" && sync "{o}"'],
+        "torch.load + save_file": lambda o: [PY, str(HERE / "naive_bin.py"), str(src), str(o)],
+        "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
+        "streamck rewrite --dtype bf16": lambda o: streamck("rewrite", str(src), "-o", str(o), "--dtype", "bf16", "-q"),
+    }
+    runs = contend(contenders, tmp / "out.safetensors", a.reps, a.settle)
+    return (
+        f"Source: one `torch.save` zip holding a {side}×{side} F32 matrix saved transposed ({data / 2**30:.2f} GiB); "
+        f"each output row takes one element of every source row. {a.reps} interleaved reps, "
+        f"{a.settle:.0f} s settle.\n\n" + table(runs, "cp + sync", data)
+    )
+
+
+@case
 def case_eagle4(a: argparse.Namespace, tmp: Path) -> str:
     """--plan eagle4 export of a 70B-target draft (scaled down by --eagle-scale) vs cp of its files."""
     src = make_eagle4_draft(tmp / "step", a.eagle_scale)

@@ -14,6 +14,7 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         "index",
         "lsdiff",
         "eagle4",
+        "view",
         "--size",
         "8MiB",
         "--embed",
@@ -37,6 +38,6 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         env={**os.environ, "BENCH_DIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for case in ("rewrite", "index", "lsdiff", "eagle4"):
+    for case in ("rewrite", "index", "lsdiff", "eagle4", "view"):
         assert f"## {case}" in proc.stdout
     assert "| streamck rewrite |" in proc.stdout and "torch not imported" in proc.stdout

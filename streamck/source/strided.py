@@ -1,24 +1,34 @@
-"""Gathering a non-contiguous torch view into row-major bytes, one bounded block at a time."""
+"""Gathering a non-contiguous torch view into row-major bytes, one bounded block at a time.
+
+Blocks are read with ``pread`` into a bounded scratch buffer, never through a
+mapping: each row of a transposed matrix touches every page of its storage, and
+mapped pages (with the kernel's fault-around, whole 64 KiB windows) would all
+count as resident, up to the whole tensor.
+"""
 
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from streamck.fileio import read_into
 from streamck.source.header import TensorRef
 
 if TYPE_CHECKING:  # numpy is imported where a view is gathered, not by every rewrite
     import numpy as np
+
+# Output bytes per gathered block; the scratch buffer is twice that.
+BLOCK = 16 << 20
 
 
 def strided_array(ref: TensorRef, mm: mmap.mmap) -> np.ndarray:
     """``ref`` as a read-only numpy view of the mapped file (elements as unsigned ints)."""
     import numpy as np
 
-    item = (ref.end - ref.start) // max(1, _numel(ref.shape))
-    span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides, strict=True))
-    base = np.frombuffer(mm, dtype=np.dtype(f"<u{item}"), count=span, offset=ref.start)
+    item = _itemsize(ref)
+    base = np.frombuffer(mm, dtype=np.dtype(f"<u{item}"), count=_span(ref.shape, ref.strides), offset=ref.start)
     return np.lib.stride_tricks.as_strided(base, ref.shape, [s * item for s in ref.strides], writeable=False)
 
 
@@ -29,37 +39,100 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _blocks(view: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
+def _itemsize(ref: TensorRef) -> int:
+    return (ref.end - ref.start) // max(1, _numel(ref.shape))
+
+
+def _span(shape: tuple[int, ...], strides) -> int:
+    """Elements from the first to the last that a box touches (torch strides are >= 0)."""
+    return 1 + sum((e - 1) * s for e, s in zip(shape, strides, strict=True))
+
+
+def _boxes(shape: tuple[int, ...], strides: tuple[int, ...], limit: int, offset: int = 0) -> Iterator[tuple]:
+    """(offset, shape) of boxes of at most ``limit`` elements (or one element's row) that
+    tile the view in row-major order; shapes keep the view's rank."""
+    if not shape or _numel(shape) <= limit:
+        yield offset, shape
+        return
+    row = _numel(shape[1:])
+    if row > limit:
+        for i in range(shape[0]):
+            for off, sub in _boxes(shape[1:], strides[1:], limit, offset + i * strides[0]):
+                yield off, (1, *sub)
+        return
+    step = limit // row
+    for i in range(0, shape[0], step):
+        yield offset + i * strides[0], (min(step, shape[0] - i), *shape[1:])
+
+
+class _Gatherer:
+    """Fills boxes of one strided view from its file, through one scratch buffer.
+
+    A box whose span in the file fits the buffer is read in one piece. Otherwise it is
+    cut along its largest stride into slices; when those fit (a transposed matrix: one
+    run of each source row) as many as fit are read back to back and placed with one
+    numpy copy, else each slice is filled the same way.
+    """
+
+    def __init__(self, ref: TensorRef, fd: int, limit: int):
+        import numpy as np
+
+        self.ref, self.fd, self.item = ref, fd, _itemsize(ref)
+        self.scratch = np.empty(2 * limit, np.dtype(f"<u{self.item}"))  # spans of 2x a box read at once
+        self.raw, self.path = memoryview(self.scratch).cast("B"), str(ref.path)
+
+    def _read(self, offset: int, count: int, at: int = 0) -> None:
+        # Called once per run of a transposed matrix (a million times per GiB): one syscall.
+        view = self.raw[at * self.item : (at + count) * self.item]
+        pos = self.ref.start + offset * self.item
+        if os.preadv(self.fd, [view], pos) != len(view):
+            read_into(self.fd, view, pos, self.path)  # a short read: finish it, or say why
+
+    def _strided(self, shape: tuple[int, ...], strides) -> np.ndarray:
+        from numpy.lib.stride_tricks import as_strided
+
+        return as_strided(self.scratch, shape, [s * self.item for s in strides], writeable=False)
+
+    def fill(self, out: np.ndarray, offset: int, strides: tuple[int, ...]) -> None:
+        """Fill ``out`` with the elements at ``offset + sum(index * strides)``."""
+        import numpy as np
+
+        shape = out.shape
+        if out.size == 0:
+            return
+        span = _span(shape, strides)
+        if span <= len(self.scratch):
+            self._read(offset, span)
+            out[...] = self._strided(shape, strides)
+            return
+        d = max((k for k in range(len(shape)) if shape[k] > 1), key=lambda k: strides[k])
+        rest, rest_strides = shape[:d] + shape[d + 1 :], strides[:d] + strides[d + 1 :]
+        slices = np.moveaxis(out, d, 0)  # slices[i]: index i along d
+        run = _span(rest, rest_strides)
+        if run > len(self.scratch):
+            for i in range(shape[d]):
+                self.fill(slices[i], offset + i * strides[d], rest_strides)
+            return
+        per = len(self.scratch) // run
+        for first in range(0, shape[d], per):
+            n = min(per, shape[d] - first)
+            for i in range(n):
+                self._read(offset + (first + i) * strides[d], run, at=i * run)
+            slices[first : first + n] = self._strided((n, *rest), (run, *rest_strides))
+
+
+def gather(ref: TensorRef, chunk: int = BLOCK) -> Iterator[memoryview]:
+    """The bytes of the strided tensor ``ref`` in row-major order, in blocks of at most
+    ``chunk`` bytes (one element's row if longer); memory is about three blocks."""
     import numpy as np
 
-    if view.ndim == 0 or view.nbytes <= chunk:
-        yield np.ascontiguousarray(view)
-        return
-    row = view[0].nbytes
-    if row > chunk:
-        for i in range(len(view)):
-            yield from _blocks(view[i], chunk)
-        return
-    step = chunk // row
-    for i in range(0, len(view), step):
-        yield np.ascontiguousarray(view[i : i + step])
-
-
-def gather(ref: TensorRef, chunk: int) -> Iterator[memoryview]:
-    """The bytes of the strided tensor ``ref`` in row-major order, in blocks of about
-    ``chunk`` bytes. Mapped pages are released after each block, so RSS stays bounded."""
-    import numpy as np
-
-    with open(ref.path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    limit = max(1, chunk // _itemsize(ref))
+    fd = os.open(ref.path, os.O_RDONLY)
     try:
-        view = strided_array(ref, mm)
-        for block in _blocks(view, chunk):
-            yield memoryview(block.reshape(-1).view(np.uint8))
-            mm.madvise(mmap.MADV_DONTNEED)
-        del view
+        gatherer = _Gatherer(ref, fd, limit)
+        for offset, shape in _boxes(ref.shape, ref.strides, limit):
+            out = np.empty(shape, gatherer.scratch.dtype)
+            gatherer.fill(out, offset, ref.strides)
+            yield memoryview(out.reshape(-1).view(np.uint8))
     finally:
-        try:
-            mm.close()
-        except BufferError:  # a caller still holds a block; the map goes with it
-            pass
+        os.close(fd)

@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from streamck.fileio import write_all
-from streamck.source.strided import gather
+from streamck.source.strided import BLOCK, gather
 from streamck.writer.copy import Copier
 from streamck.writer.layout import Shard
 
@@ -90,7 +90,7 @@ class ShardWriter:
                 if n:
                     self.overflow[t.name] = n
             elif src.strides is not None:  # a non-contiguous torch view: gathered, not copied
-                for block in gather(src, self.chunk):
+                for block in gather(src, min(self.chunk, BLOCK)):
                     write_all(out, block)
                     self.progress(len(block))
             else:
