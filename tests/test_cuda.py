@@ -1,6 +1,7 @@
 """--device cuda: the overlapped schedule (against a fake device, no GPU needed) and,
 on a machine with a GPU, the bits of every cast against torch's CPU Tensor.to()."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 from helpers import raw_file
 from test_cast import ALL_16, _f32_ties, assert_same_as_torch, cast_via_streamck
 
+from streamck import Rules, compile_plan, open_checkpoint, rewrite
 from streamck.writer.cudacast import pipeline
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -58,6 +60,49 @@ def test_pipeline_touches_a_slot_only_after_its_work(slots, n):
     assert bytes(written) == bytes(b ^ 0x5A for b in data)
     assert dev.in_flight == 0
     assert dev.most_in_flight == min(slots, len(steps))  # overlapped, never more than the slots
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real device runs the tests below")
+def test_cuda_caster_host_code_with_a_stand_in_for_torch_cuda(tmp_path, monkeypatch):
+    # No GPU here: run CudaCaster's own code with torch.cuda replaced by a synchronous
+    # stand-in on the CPU (pinned and device buffers become plain ones). It checks the
+    # plumbing (slots, slices, overflow counters, the pipeline), not the device.
+    real_empty, real_zeros = torch.empty, torch.zeros
+
+    def on_cpu(kw):
+        kw.pop("pin_memory", None)
+        return {**kw, "device": "cpu"}
+
+    class Stream:
+        def __init__(self, *args):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Event:
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **on_cpu(k)))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, **on_cpu(k)))
+    for name, value in {
+        "is_available": lambda: True,
+        "Stream": Stream,
+        "Event": Event,
+        "current_stream": lambda device=None: Stream(),
+        "stream": lambda stream: contextlib.nullcontext(),
+        "synchronize": lambda device=None: None,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    plan = compile_plan(open_checkpoint(_checkpoint(tmp_path)), Rules(dtype="F16"))
+    gpu = rewrite(plan, tmp_path / "g.safetensors", chunk=40_000, device="cuda")
+    cpu = rewrite(plan, tmp_path / "c.safetensors", chunk=40_000, device="cpu")
+    assert gpu.overflow == cpu.overflow != {}
+    assert (tmp_path / "g.safetensors").read_bytes() == (tmp_path / "c.safetensors").read_bytes()
 
 
 def streamck(*args):
