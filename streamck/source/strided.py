@@ -49,8 +49,8 @@ def _span(shape: tuple[int, ...], strides) -> int:
 
 
 def _boxes(shape: tuple[int, ...], strides: tuple[int, ...], limit: int, offset: int = 0) -> Iterator[tuple]:
-    """(offset, shape) of boxes of at most ``limit`` elements (or one element's row) that
-    tile the view in row-major order; shapes keep the view's rank."""
+    """(offset, shape) of boxes of at most ``limit`` elements that tile the view in
+    row-major order; shapes keep the view's rank."""
     if not shape or _numel(shape) <= limit:
         yield offset, shape
         return
@@ -123,7 +123,7 @@ class _Gatherer:
 
 def gather(ref: TensorRef, chunk: int = BLOCK) -> Iterator[memoryview]:
     """The bytes of the strided tensor ``ref`` in row-major order, in blocks of at most
-    ``chunk`` bytes (one element's row if longer); memory is about three blocks."""
+    ``chunk`` bytes (or one element); memory is about three blocks."""
     import numpy as np
 
     limit = max(1, chunk // _itemsize(ref))
