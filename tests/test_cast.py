@@ -231,6 +231,7 @@ def test_dtype_cast_relabels_a_copied_config(tmp_path):
         ('{"hidden_size": 4}', ["--dtype", "bf16"]),  # names no dtype
         ("{not json", ["--dtype", "bf16"]),  # not ours to judge
         ('["a list"]', ["--dtype", "bf16"]),
+        ('{"torch_dtype": {"vision": "float32"}}', ["--dtype", "bf16"]),
     ],
 )
 def test_config_copied_byte_for_byte_otherwise(tmp_path, config, args):
