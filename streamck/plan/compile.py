@@ -116,9 +116,7 @@ def _config_cast(path: Path, dtype: str) -> tuple[Path | bytes, list[str]]:
         return path, []  # not ours to judge: copied as is
     name = TORCH_NAMES[dtype]
     keys = [k for k in ("torch_dtype", "dtype") if isinstance(config, dict) and config.get(k, name) != name]
-    if any(not isinstance(config[k], str) for k in keys):  # a per-module map, say: not ours to flatten
-        return path, []
-    if not keys:
+    if not keys or any(not isinstance(config[k], str) for k in keys):  # a per-module map: not ours to flatten
         return path, []
     lines = [f"config.json: {k} {config[k]} -> {name}" for k in keys]
     config.update(dict.fromkeys(keys, name))
