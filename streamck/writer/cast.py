@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from streamck.dtypes import BITS, CASTABLE
+from streamck.dtypes import BITS, CASTABLE, TORCH_NAMES
 from streamck.errors import StreamckError
 from streamck.fileio import read_into, write_all
 from streamck.source.header import TensorRef
@@ -40,9 +40,10 @@ def _new_infinities(a, b, dst: str) -> int:
 
 
 def torch_dtype(name: str):
+    """The torch dtype of a castable safetensors dtype name."""
     import torch
 
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+    return getattr(torch, TORCH_NAMES[name])
 
 
 def chunk_steps(chunk: int, numel: int, src: str, dst: str) -> list[tuple[int, int]]:
