@@ -19,14 +19,14 @@ from streamck.cli import main
 # and then waits: the parent acts at that known point, mid-write, temp file open.
 PAUSING_CHILD = """
 import os, sys, time
-import streamck.writer.copy as copy
-real = copy.Copier.copy
+from streamck.source.reader import Reader
+real = Reader.copy
 def paused(self, *a, **k):
     if not os.path.exists(sys.argv[1]):
         open(sys.argv[1], "w").close()
         time.sleep(float(sys.argv[2]))
     return real(self, *a, **k)
-copy.Copier.copy = paused
+Reader.copy = paused
 from streamck.cli import main
 sys.exit(main(sys.argv[3:]))
 """
@@ -142,16 +142,16 @@ def test_racing_rewrites_give_one_complete_output(tmp_path, source, target, forc
 
 
 def test_source_changing_during_rewrite_is_detected(tmp_path, source, monkeypatch):
-    import streamck.writer.copy as copy
+    from streamck.source.reader import Reader
 
-    real = copy.Copier.copy
+    real = Reader.copy
     shard = next(source.glob("*.safetensors"))
 
     def touching(self, *a, **k):
         os.utime(shard, ns=(0, 0))  # a real change of the source's mtime, mid-write
         return real(self, *a, **k)
 
-    monkeypatch.setattr(copy.Copier, "copy", touching)
+    monkeypatch.setattr(Reader, "copy", touching)
     plan = compile_plan(open_checkpoint(source))
     with pytest.raises(CheckpointError, match="changed during the run"):
         rewrite(plan, tmp_path / "out")

@@ -23,11 +23,10 @@ def test_single_file_index_matches_reference(tmp_path):
     assert ckpt.total_size == sum(a.nbytes for a in tensors.values())
 
 
-def test_read_is_a_view_of_the_mapped_file(tmp_path):
-    path = save(tmp_path / "m.safetensors", {"a": np.arange(10, dtype=np.int32)})
-    view = open_checkpoint(path).read("a")
-    assert view.readonly
-    assert np.frombuffer(view, dtype=np.int32).tolist() == list(range(10))
+def test_read_gives_the_tensor_bytes(tmp_path):
+    path = save(tmp_path / "m.safetensors", {"a": np.arange(10, dtype=np.int32), "b": np.ones(3, np.int8)})
+    data = open_checkpoint(path).read("a")
+    assert np.frombuffer(data, dtype=np.int32).tolist() == list(range(10))
 
 
 @pytest.mark.parametrize("index", [True, False])

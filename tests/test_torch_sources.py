@@ -250,3 +250,16 @@ def test_stdout_closed_early(tmp_path):
         text=True,
     )
     assert listing.returncode == 0 and listing.stderr == ""
+
+
+def test_diff_data_of_a_transposed_view_against_its_contiguous_copy(tmp_path):
+    # The view is gathered in blocks, the copy read in chunks: windows must not follow either.
+    t = torch.randn(1100, 4096)
+    torch.save({"w": t.t()}, tmp_path / "a.bin")
+    torch.save({"w": t.t().contiguous()}, tmp_path / "b.bin")
+    assert diff(tmp_path / "a.bin", tmp_path / "b.bin", data=True).equal
+    changed = t.t().contiguous()
+    changed[4000, 1000] += 1
+    torch.save({"w": changed}, tmp_path / "c.bin")
+    result = diff(tmp_path / "a.bin", tmp_path / "c.bin", data=True)
+    assert [(d.name, d.differing) for d in result.data] == [("w", 1)]

@@ -178,26 +178,32 @@ def test_source_changed_during_run_is_detected(tmp_path):
 
 @pytest.mark.parametrize("mode", ["copy_file_range", "sendfile", "buffer"])
 def test_every_copy_mode_with_odd_chunks(tmp_path, mode):
-    from streamck.writer.copy import Copier
+    from streamck.source.header import TensorRef
+    from streamck.source.reader import Reader
 
     data = bytes(range(256)) * 5
     (tmp_path / "src").write_bytes(data)
-    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+    ref = TensorRef("t", "U8", (1000,), tmp_path / "src", 3, 1003)
+    with Reader(7, mode, copy_chunk=7) as reader, open(tmp_path / "dst", "wb") as dst:
         seen = []
-        Copier(chunk=7, mode=mode).copy(src.fileno(), 3, 1000, dst.fileno(), "src", seen.append)
+        reader.copy(ref, dst.fileno(), seen.append)
     assert (tmp_path / "dst").read_bytes() == data[3:1003]
     assert sum(seen) == 1000 and max(seen) <= 7
 
 
 def test_truncated_source_is_an_error(tmp_path):
     from streamck import CheckpointError
-    from streamck.writer.copy import Copier
+    from streamck.source.header import TensorRef
+    from streamck.source.reader import COPY_MODES, Reader
 
     (tmp_path / "src").write_bytes(b"abc")
-    for mode in Copier.MODES:
-        with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+    ref = TensorRef("t", "U8", (10,), tmp_path / "src", 0, 10)
+    for mode in COPY_MODES:
+        with Reader(7, mode, copy_chunk=7) as reader, open(tmp_path / "dst", "wb") as dst:
             with pytest.raises(CheckpointError, match="ended before"):
-                Copier(chunk=7, mode=mode).copy(src.fileno(), 0, 10, dst.fileno(), "src")
+                reader.copy(ref, dst.fileno())
+        with Reader(4) as reader, pytest.raises(CheckpointError, match="ended before"):
+            list(reader.windows(ref))
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from typing import Any
 
 from streamck.manifest import build_manifest
 from streamck.source import Checkpoint
-from streamck.source.reader import ChunkReader
+from streamck.source.reader import Reader
 
 ALGORITHM = "sha256"
 
@@ -15,10 +15,10 @@ ALGORITHM = "sha256"
 def tensor_digests(checkpoint: Checkpoint, names: list[str] | None = None) -> dict[str, str]:
     """The sha256 hex digest of every tensor's bytes (or of ``names`` only)."""
     digests = {}
-    with ChunkReader() as reader:
+    with Reader() as reader:
         for name in names if names is not None else checkpoint.tensors:
             h = hashlib.new(ALGORITHM)
-            for piece in reader.chunks(checkpoint.tensors[name]):
+            for piece in reader.windows(checkpoint.tensors[name]):
                 h.update(piece)
             digests[name] = h.hexdigest()
     return digests

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,19 +47,13 @@ class Checkpoint:
     def total_size(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def read(self, name: str) -> memoryview:
-        """Return tensor ``name``'s bytes as a read-only view of its memory-mapped shard
-        (a strided view for a non-contiguous torch view; ``bytes()`` gives row-major order)."""
-        ref = self.tensors[name]
-        if ref.nbytes == 0:
-            return memoryview(b"")
-        with open(ref.path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if ref.strides is not None:
-            from streamck.source.strided import strided_array
+    def read(self, name: str) -> bytes:
+        """Tensor ``name``'s bytes in row-major order (the whole tensor, in memory: for
+        bounded reads use streamck.source.reader.Reader)."""
+        from streamck.source.reader import Reader
 
-            return memoryview(strided_array(ref, mm))
-        return memoryview(mm)[ref.start : ref.end]
+        with Reader() as reader:
+            return reader.read(self.tensors[name])
 
     def check_unchanged(self) -> None:
         """Raise CheckpointError if any shard changed size, mtime or inode since indexing."""

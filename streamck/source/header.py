@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -23,17 +24,22 @@ import orjson
 
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
+from streamck.source.runs import Run, Tile, strided_runs, tile_runs
 
 MAX_HEADER = 100_000_000
 _U64 = 1 << 64
 
 
 class TensorRef(NamedTuple):
-    """Where one tensor's bytes live: ``path[start:end]``, absolute offsets.
+    """Where one tensor's bytes live; ``runs()`` lists them in row-major order.
 
-    ``strides`` (in elements) is set only for a non-contiguous view saved by torch:
-    then ``start`` is its first element and ``end - start`` its logical size, and the
-    bytes must be gathered (streamck.source.strided).
+    A plain tensor is ``path[start:end]``, absolute offsets. ``strides`` (in elements)
+    is set only for a non-contiguous view saved by torch: then ``start`` is its first
+    element and ``end - start`` its logical size, and the bytes are gathered
+    (streamck.source.strided). ``tiles`` is set for a tensor stored in blocks (one per
+    rank): then ``path`` is the first block's file, ``end - start`` the logical size,
+    and the blocks tile the tensor (or, when they are 1-D, its flattened elements).
+    ``end - start`` is always the tensor's byte size.
     """
 
     name: str
@@ -43,6 +49,7 @@ class TensorRef(NamedTuple):
     start: int
     end: int
     strides: tuple[int, ...] | None = None
+    tiles: tuple[Tile, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +61,22 @@ class TensorRef(NamedTuple):
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """Every file that holds some of this tensor's bytes."""
+        if self.tiles is None:
+            return (self.path,)
+        return tuple(dict.fromkeys(t.path for t in self.tiles))
+
+    def runs(self) -> Iterator[Run]:
+        """The byte runs whose concatenation is this tensor, lazily (see streamck.source.runs)."""
+        if self.tiles is not None:
+            grid = self.shape if len(self.tiles[0].offsets) == len(self.shape) else (self.numel,)
+            return tile_runs(grid, BITS[self.dtype] // 8, self.tiles)
+        if self.strides is not None:
+            return strided_runs(self)
+        return iter((Run(self.path, self.start, self.end - self.start),) if self.end > self.start else ())
 
 
 _new_ref = tuple.__new__  # NamedTuple's own __new__ is a Python lambda: 4x slower per tensor
@@ -200,7 +223,9 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
             in_order = in_order and start == end
             end = stop
             tensors.append(
-                _new_ref(TensorRef, (name, dtype, tuple(shape), path, data_start + start, data_start + stop, None))
+                _new_ref(
+                    TensorRef, (name, dtype, tuple(shape), path, data_start + start, data_start + stop, None, None)
+                )
             )
         if not in_order:  # writers usually list tensors by offset; others get sorted and checked
             tensors.sort(key=lambda t: (t.start, t.end))

@@ -1,50 +1,227 @@
-"""Reading a tensor's bytes in bounded chunks through one reused buffer."""
+"""The one way streamck reads tensor bytes: runs turned into kernel copies or buffer fills.
+
+Every consumer (the writer's copy and casts, ``--verify``, ``diff --data``, ``hash``,
+``Checkpoint.read``) reads through a ``Reader``: one pool of read-only fds, and
+streams that deliver a tensor's row-major bytes in whatever window sizes the
+consumer asks for, independent of where the tensor's runs end. Runs that
+continue one another in a file (a block's rows, interleaved with another
+block's) are filled with one ``preadv`` each; long runs copied to a file never
+enter this process. A strided torch view is gathered block by block
+(streamck.source.strided). Memory is the consumer's window, never a whole
+tensor or a mapping of its storage.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from streamck.fileio import read_into
+from streamck.errors import CheckpointError
+from streamck.fileio import read_into, write_all
 from streamck.source.header import TensorRef
-from streamck.source.strided import gather
+from streamck.source.runs import Run
 
-READ_CHUNK = 16 << 20
+# Bytes per buffer fill: a cast step, a comparison window, a digest update.
+CHUNK = 16 << 20
+# Bytes per kernel-side copy call; never enter this process, so they can be larger.
+COPY_CHUNK = 64 << 20
+# A run at least this long is copied kernel-side; shorter ones go through the buffer.
+KERNEL_MIN = 1 << 20
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# Errors that mean "this way of copying does not work between these two files".
+_FALLBACK = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.ESPIPE}
+_KERNEL = {
+    "copy_file_range": lambda src, dst, count, offset: os.copy_file_range(src, dst, count, offset),
+    "sendfile": lambda src, dst, count, offset: os.sendfile(dst, src, offset, count),
+}
+COPY_MODES = ("copy_file_range", "sendfile", "buffer")
 
 
-class ChunkReader:
-    """Yields a tensor's bytes as views of one buffer of ``chunk`` bytes (each view is
-    valid until the next one); keeps one fd per file open until closed."""
+class Reader:
+    """Reads tensors through one pool of fds, kept open until ``close``.
 
-    def __init__(self, chunk: int = READ_CHUNK):
-        self.chunk = chunk
-        self._buffer = bytearray(chunk)
-        self._fds: dict[str, int] = {}
+    ``chunk`` sizes the buffer that short runs and gathered blocks are copied
+    through, ``copy_chunk`` each kernel-side copy; ``copy_mode`` forces one way of
+    copying (tests), else the first that works between the two files is used.
+    """
 
-    def chunks(self, ref: TensorRef, step: int | None = None) -> Iterator[memoryview]:
-        """The bytes of ``ref`` in pieces of ``step`` bytes (at most the chunk size; a
-        non-contiguous torch view comes in gathered blocks of about that size)."""
-        if ref.strides is not None:
-            yield from gather(ref, step or self.chunk)
-            return
-        path = os.fspath(ref.path)
+    def __init__(self, chunk: int = CHUNK, copy_mode: str | None = None, copy_chunk: int = COPY_CHUNK):
+        self.chunk, self.copy_chunk = chunk, copy_chunk
+        self._fds: dict[Path, int] = {}
+        self._buffer: bytearray | None = None
+        self._mode = copy_mode or next(m for m in COPY_MODES if m == "buffer" or hasattr(os, m))
+
+    def fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        step = min(step or self.chunk, self.chunk)
-        view = memoryview(self._buffer)
-        for offset in range(ref.start, ref.end, step):
-            n = min(step, ref.end - offset)
-            read_into(fd, view[:n], offset, path)
-            yield view[:n]
+            try:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(f"cannot read: {e.strerror}", path) from None
+        return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> ChunkReader:
+    def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def stream(self, ref: TensorRef) -> TensorStream:
+        """A sequential reader of ``ref``'s row-major bytes."""
+        return TensorStream(self, ref)
+
+    def windows(self, ref: TensorRef, size: int | None = None) -> Iterator[memoryview]:
+        """``ref``'s bytes in consecutive windows of exactly ``size`` bytes (the last one
+        shorter), each a view of this reader's buffer, valid until the next."""
+        size = min(size or self.chunk, self.chunk)
+        view = memoryview(self._scratch())[:size]
+        stream = self.stream(ref)
+        while n := stream.readinto(view):
+            yield view[:n]
+
+    def read(self, ref: TensorRef) -> bytes:
+        """All of ``ref``'s bytes in one buffer of its size."""
+        data = bytearray(ref.nbytes)
+        self.stream(ref).readinto(memoryview(data))
+        return bytes(data)
+
+    def copy(self, ref: TensorRef, out: int, progress: Callable[[int], None] = lambda n: None) -> None:
+        """Append ``ref``'s bytes to the fd ``out``: long runs kernel-side, the rest
+        through the buffer."""
+        if ref.strides is not None:
+            for view in self.windows(ref):
+                write_all(out, view)
+                progress(len(view))
+            return
+        buffer = memoryview(self._scratch())
+        filler, used = _Filler(self), 0
+        for run in ref.runs():
+            if run.length >= min(KERNEL_MIN, len(buffer) + 1):  # too long for the buffer: in pieces
+                if used:
+                    filler.flush()
+                    write_all(out, buffer[:used])
+                    progress(used)
+                    used = 0
+                self._copy_run(run, out, progress)
+                continue
+            if used + run.length > len(buffer):
+                filler.flush()
+                write_all(out, buffer[:used])
+                progress(used)
+                used = 0
+            filler.add(run, buffer[used : used + run.length])
+            used += run.length
+        if used:
+            filler.flush()
+            write_all(out, buffer[:used])
+            progress(used)
+
+    def _scratch(self) -> bytearray:
+        if self._buffer is None:
+            self._buffer = bytearray(self.chunk)
+        return self._buffer
+
+    def _copy_run(self, run: Run, out: int, progress: Callable[[int], None]) -> None:
+        src, offset, end = self.fd(run.path), run.offset, run.offset + run.length
+        while offset < end:
+            count = min(self.copy_chunk, end - offset)
+            while self._mode != "buffer":
+                try:
+                    n = _KERNEL[self._mode](src, out, count, offset)
+                    break
+                except OSError as e:
+                    if e.errno not in _FALLBACK:
+                        raise
+                    self._mode = COPY_MODES[COPY_MODES.index(self._mode) + 1]  # not here: try the next way
+            else:
+                view = memoryview(self._scratch())[: min(count, self.chunk)]
+                read_into(src, view, offset, str(run.path))
+                write_all(out, view)
+                n = len(view)
+            if n == 0:
+                raise CheckpointError("file ended before its last tensor's bytes (truncated?)", run.path)
+            offset += n
+            progress(n)
+
+
+class _Filler:
+    """Fills destination views from runs, one ``preadv`` per group of runs that continue
+    one another in one file (a block's consecutive rows), at most IOV_MAX views each."""
+
+    def __init__(self, reader: Reader):
+        self.reader = reader
+        self.groups: dict[Path, tuple[int, int, list[memoryview]]] = {}  # path -> (start, end, views)
+
+    def add(self, run: Run, dest: memoryview) -> None:
+        group = self.groups.get(run.path)
+        if group is not None and group[1] == run.offset and len(group[2]) < _IOV_MAX:
+            group[2].append(dest)
+            self.groups[run.path] = (group[0], run.offset + run.length, group[2])
+            return
+        if group is not None:
+            self._read(run.path, group)
+        self.groups[run.path] = (run.offset, run.offset + run.length, [dest])
+
+    def flush(self) -> None:
+        for path, group in self.groups.items():
+            self._read(path, group)
+        self.groups.clear()
+
+    def _read(self, path: Path, group: tuple[int, int, list[memoryview]]) -> None:
+        start, end, views = group
+        fd = self.reader.fd(path)
+        n = os.preadv(fd, views, start)
+        if n == end - start:
+            return
+        for view in views:  # a short read: finish view by view, or say why
+            if n >= len(view):
+                n -= len(view)
+                start += len(view)
+                continue
+            read_into(fd, view[n:], start + n, str(path))
+            start, n = start + len(view), 0
+
+
+class TensorStream:
+    """A tensor's row-major bytes, read sequentially like a file."""
+
+    def __init__(self, reader: Reader, ref: TensorRef):
+        self.reader, self.ref, self.left = reader, ref, ref.nbytes
+        if ref.strides is not None:
+            from streamck.source.strided import gather
+
+            self._blocks: Iterator[memoryview] | None = gather(ref, reader.chunk, reader.fd(ref.path))
+            self._runs: Iterator[Run] | None = None
+        else:
+            self._blocks, self._runs = None, ref.runs()
+        self._rest: Run | memoryview | None = None  # what the last call left of a run or block
+
+    def readinto(self, view: memoryview) -> int:
+        """Fill ``view`` with the next bytes; returns how many (less only at the end)."""
+        want = min(len(view), self.left)
+        done = 0
+        if self._blocks is not None:
+            while done < want:
+                block = self._rest if self._rest is not None else next(self._blocks)
+                n = min(len(block), want - done)
+                view[done : done + n] = block[:n]
+                self._rest = block[n:] if n < len(block) else None
+                done += n
+        else:
+            filler = _Filler(self.reader)
+            while done < want:
+                run = self._rest if self._rest is not None else next(self._runs)
+                n = min(run.length, want - done)
+                filler.add(Run(run.path, run.offset, n), view[done : done + n])
+                self._rest = Run(run.path, run.offset + n, run.length - n) if n < run.length else None
+                done += n
+            filler.flush()
+        self.left -= done
+        return done

@@ -8,7 +8,6 @@ count as resident, up to the whole tensor.
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -18,19 +17,6 @@ from streamck.source.header import TensorRef
 
 if TYPE_CHECKING:  # numpy is imported where a view is gathered, not by every rewrite
     import numpy as np
-
-# Output bytes per gathered block; the scratch buffer is twice that.
-BLOCK = 16 << 20
-
-
-def strided_array(ref: TensorRef, mm: mmap.mmap) -> np.ndarray:
-    """``ref`` as a read-only numpy view of the mapped file (elements as unsigned ints)."""
-    import numpy as np
-
-    item = _itemsize(ref)
-    base = np.frombuffer(mm, dtype=np.dtype(f"<u{item}"), count=_span(ref.shape, ref.strides), offset=ref.start)
-    return np.lib.stride_tricks.as_strided(base, ref.shape, [s * item for s in ref.strides], writeable=False)
-
 
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
@@ -121,18 +107,15 @@ class _Gatherer:
             slices[first : first + n] = self._strided((n, *rest), (run, *rest_strides))
 
 
-def gather(ref: TensorRef, chunk: int = BLOCK) -> Iterator[memoryview]:
-    """The bytes of the strided tensor ``ref`` in row-major order, in blocks of at most
-    ``chunk`` bytes (or one element); memory is about three blocks."""
+def gather(ref: TensorRef, chunk: int, fd: int) -> Iterator[memoryview]:
+    """The bytes of the strided tensor ``ref``, read through ``fd`` (open on its file), in
+    row-major order, in blocks of at most ``chunk`` bytes (or one element); memory is
+    about three blocks."""
     import numpy as np
 
     limit = max(1, chunk // _itemsize(ref))
-    fd = os.open(ref.path, os.O_RDONLY)
-    try:
-        gatherer = _Gatherer(ref, fd, limit)
-        for offset, shape in _boxes(ref.shape, ref.strides, limit):
-            out = np.empty(shape, gatherer.scratch.dtype)
-            gatherer.fill(out, offset, ref.strides)
-            yield memoryview(out.reshape(-1).view(np.uint8))
-    finally:
-        os.close(fd)
+    gatherer = _Gatherer(ref, fd, limit)
+    for offset, shape in _boxes(ref.shape, ref.strides, limit):
+        out = np.empty(shape, gatherer.scratch.dtype)
+        gatherer.fill(out, offset, ref.strides)
+        yield memoryview(out.reshape(-1).view(np.uint8))

@@ -10,13 +10,12 @@ from collections.abc import Callable, Iterator
 
 from streamck.dtypes import BITS, CASTABLE, TORCH_NAMES
 from streamck.errors import StreamckError
-from streamck.fileio import read_into, write_all
-from streamck.source.header import TensorRef
-from streamck.source.strided import gather
+from streamck.fileio import write_all
+from streamck.source.reader import CHUNK, TensorStream
 
-# Source bytes per cast step. Smaller than the copy chunk: these pages live in this
+# Source bytes per cast step: the reader's buffer size. These pages live in this
 # process (input, output and two flag temporaries), on top of torch's ~200 MiB.
-CAST_CHUNK = 16 << 20
+CAST_CHUNK = CHUNK
 
 ITEMSIZE = {name: BITS[name] // 8 for name in CASTABLE}
 # Largest finite value of each castable dtype, to know which casts can overflow.
@@ -80,30 +79,25 @@ class Caster:
         self.host_out = torch.empty(chunk, dtype=torch.uint8)
 
     def cast(
-        self, ref: TensorRef, dst: str, fd: int, out: int, progress: Callable[[int], None] = lambda n: None
+        self, stream: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None
     ) -> int:
-        """Cast the tensor ``ref``, read through ``fd`` (open on its file), to ``dst`` and
-        append it to ``out``. Returns how many finite values became infinite."""
+        """Cast the tensor that ``stream`` reads to ``dst`` and append it to the fd ``out``.
+        Returns how many finite values became infinite."""
         overflow = 0
-        for view, inf in self.convert(ref, dst, fd):
+        for view, inf in self.convert(stream, dst):
             write_all(out, view)
             progress(len(view))
             overflow += inf
         return overflow
 
-    def convert(self, ref: TensorRef, dst: str, fd: int) -> Iterator[tuple[memoryview, int]]:
+    def convert(self, stream: TensorStream, dst: str) -> Iterator[tuple[memoryview, int]]:
         """Step by step: (output bytes, finite values that became infinite), each view valid
-        until the next step. A non-contiguous torch view is gathered in row-major blocks."""
-        src, inp = ref.dtype, memoryview(self.host_in.numpy())
+        until the next step."""
+        src, inp = stream.ref.dtype, memoryview(self.host_in.numpy())
         si = ITEMSIZE[src]
-        if ref.strides is None:
-            for start, k in chunk_steps(self.chunk, ref.numel, src, dst):
-                read_into(fd, inp[: k * si], ref.start + start * si, str(ref.path))
-                yield self._step(k, src, dst)
-        else:
-            for block in gather(ref, self.chunk // max(si, ITEMSIZE[dst]) * si):
-                inp[: len(block)] = block
-                yield self._step(len(block) // si, src, dst)
+        for _, k in chunk_steps(self.chunk, stream.ref.numel, src, dst):
+            stream.readinto(inp[: k * si])
+            yield self._step(k, src, dst)
 
     def _step(self, k: int, src: str, dst: str) -> tuple[memoryview, int]:
         """Cast the first ``k`` elements of the input buffer into the output buffer."""

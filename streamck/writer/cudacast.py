@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from streamck.errors import StreamckError
-from streamck.fileio import read_into, write_all
-from streamck.source.header import TensorRef
+from streamck.fileio import write_all
+from streamck.source.reader import TensorStream
 from streamck.writer.cast import ITEMSIZE, can_overflow, chunk_steps, torch_dtype
 
 SLOTS = 2
@@ -77,16 +77,14 @@ class CudaCaster:
         ]
 
     def cast(
-        self, ref: TensorRef, dst: str, fd: int, out: int, progress: Callable[[int], None] = lambda n: None
+        self, source: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None
     ) -> int:
-        """Cast the tensor ``ref``, read through ``fd`` (open on its file), to ``dst`` and
-        append it to ``out``. Returns how many finite values became infinite. ``ref`` must
-        be contiguous: a non-contiguous torch view is gathered, on the CPU (``Caster``)."""
-        if ref.strides is not None:
-            raise ValueError(f"{ref.name}: a non-contiguous view is cast by the CPU Caster")
+        """Cast the tensor that ``source`` reads to ``dst`` and append it to the fd ``out``.
+        Returns how many finite values became infinite."""
         import torch
 
-        src, path = ref.dtype, str(ref.path)
+        ref = source.ref
+        src = ref.dtype
         sdt, ddt = torch_dtype(src), torch_dtype(dst)
         si, di = ITEMSIZE[src], ITEMSIZE[dst]
         check = can_overflow(src, dst)
@@ -96,9 +94,8 @@ class CudaCaster:
         for *_, stream in self.slots:
             stream.wait_stream(torch.cuda.current_stream(self.device))
 
-        def read(slot: int, start: int, k: int) -> None:
-            host_in = self.slots[slot][0]
-            read_into(fd, memoryview(host_in.numpy())[: k * si], ref.start + start * si, path)
+        def read(slot: int, start: int, k: int) -> None:  # steps come in order: a sequential read
+            source.readinto(memoryview(self.slots[slot][0].numpy())[: k * si])
 
         def submit(slot: int, k: int) -> Event:
             host_in, host_out, dev_in, dev_out, stream = self.slots[slot]

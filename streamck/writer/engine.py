@@ -11,8 +11,8 @@ from pathlib import Path
 
 from streamck.errors import OutputError, StreamckError
 from streamck.plan import Plan
+from streamck.source.reader import CHUNK
 from streamck.writer.atomic import atomic_output, check_target, signals_as_exceptions
-from streamck.writer.copy import CHUNK
 from streamck.writer.layout import INDEX_NAME, Shard, index_bytes, plan_shards
 from streamck.writer.shardwriter import Progress, ShardWriter, Syncer
 from streamck.writer.verify import verify_shard

@@ -9,8 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from streamck.fileio import write_all
-from streamck.source.strided import BLOCK, gather
-from streamck.writer.copy import Copier
+from streamck.source.reader import CHUNK, Reader
 from streamck.writer.layout import Shard
 
 _DROP_EVERY = 256 << 20
@@ -46,27 +45,20 @@ class Progress:
 class ShardWriter:
     """Streams shards into fds: header, then each tensor copied, gathered or cast.
 
-    One per rewrite: it keeps the source fds open and its buffers for reuse.
+    One per rewrite: its reader keeps the source fds open and its buffers are reused.
     """
 
     def __init__(self, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
-        self.copier = Copier(chunk)
+        self.reader = Reader(min(chunk, CHUNK))
         self.caster = None
         self.chunk, self.device = chunk, device
         self.drop_cache = drop_cache
         self.progress = progress
-        self.fds: dict[Path, int] = {}
         self.overflow: dict[str, int] = {}
         self._cpu_caster = None
 
-    def _fd(self, path: Path) -> int:
-        if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
-        return self.fds[path]
-
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        self.reader.close()
 
     def get_caster(self):
         """The caster for this run, made (torch imported, buffers allocated, the device
@@ -82,21 +74,15 @@ class ShardWriter:
         since_drop = 0
         for t in shard.tensors:
             src = t.source
-            fd = self._fd(src.path)
             if t.is_cast:
-                # A non-contiguous torch view is gathered, and so cast, on the CPU.
-                caster = self.get_caster() if src.strides is None else self.cpu_caster()
-                n = caster.cast(src, t.dtype, fd, out, self.progress)
+                n = self.get_caster().cast(self.reader.stream(src), t.dtype, out, self.progress)
                 if n:
                     self.overflow[t.name] = n
-            elif src.strides is not None:  # a non-contiguous torch view: gathered, not copied
-                for block in gather(src, min(self.chunk, BLOCK)):
-                    write_all(out, block)
-                    self.progress(len(block))
             else:
-                self.copier.copy(fd, src.start, src.nbytes, out, str(src.path), self.progress)
+                self.reader.copy(src, out, self.progress)
             if self.drop_cache:
-                os.posix_fadvise(fd, src.start, src.nbytes, os.POSIX_FADV_DONTNEED)
+                for path in src.paths:
+                    os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
                 since_drop += t.nbytes
                 if since_drop >= _DROP_EVERY:
                     os.fdatasync(out)  # only clean pages can be dropped

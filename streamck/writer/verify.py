@@ -9,7 +9,7 @@ from pathlib import Path
 from streamck.errors import OutputError
 from streamck.fileio import read_into
 from streamck.plan import OutputTensor
-from streamck.source.reader import ChunkReader
+from streamck.source.reader import Reader
 from streamck.writer.layout import Shard
 
 
@@ -26,26 +26,29 @@ def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
     return bool((same | (torch.isnan(x) & torch.isnan(y))).all())
 
 
-def _expected(t: OutputTensor, reader: ChunkReader, caster_factory: Callable) -> Iterator[memoryview]:
+def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iterator[memoryview]:
     """What ``t`` should hold, in bounded pieces: its source's bytes, or a fresh CPU cast."""
     if not t.is_cast:
-        yield from reader.chunks(t.source)
+        yield from reader.windows(t.source)
         return
-    fd = os.open(t.source.path, os.O_RDONLY)
-    try:
-        for view, _ in caster_factory().convert(t.source, t.dtype, fd):
-            yield view
-    finally:
-        os.close(fd)
+    for view, _ in caster_factory().convert(reader.stream(t.source), t.dtype):
+        yield view
 
 
 def verify_shard(shard: Shard, path: Path, caster_factory: Callable) -> None:
-    """Check every tensor of the written ``shard`` at ``path`` against its source: equal
-    bytes, or for a cast equal to a fresh cast of the source. Raises OutputError."""
-    offset, buffer = len(shard.header), bytearray()
+    """Check the written ``shard`` at ``path``: its size, its header byte for byte, and every
+    tensor against its source: equal bytes, or for a cast equal to a fresh cast of the
+    source. Raises OutputError."""
+    offset, buffer = len(shard.header), bytearray(len(shard.header))
     fd = os.open(path, os.O_RDONLY)
     try:
-        with ChunkReader() as reader:
+        size = os.fstat(fd).st_size
+        if size != shard.size:
+            raise OutputError(f"verification failed: file is {size} bytes, its header says {shard.size}", path)
+        read_into(fd, memoryview(buffer), 0, str(path))
+        if buffer != shard.header:
+            raise OutputError("verification failed: the header differs from the plan's", path)
+        with Reader() as reader:
             for t in shard.tensors:
                 for expected in _expected(t, reader, caster_factory):
                     if len(buffer) < len(expected):

@@ -1,0 +1,140 @@
+"""Runs: where a tensor's bytes are, in its row-major order.
+
+Every source describes a tensor the same way: an ordered sequence of byte runs
+``(path, offset, length)`` whose concatenation is the tensor. A plain tensor is
+one run; a tensor saved in blocks (a DCP chunk per rank, a ZeRO fragment per
+rank) is the blocks' rows interleaved in row-major order. Runs are produced
+lazily: a tensor sharded on its last dimension has one run per row per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Run(NamedTuple):
+    """``length`` bytes of ``path`` from absolute ``offset``."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+class Tile(NamedTuple):
+    """One C-contiguous block of a larger tensor, stored at ``path[start:]``.
+
+    ``offsets`` place it in the full tensor (elements, per dimension); ``sizes`` is its shape.
+    """
+
+    path: Path
+    start: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def tiling_error(shape: tuple[int, ...], tiles: Sequence[Tile]) -> str | None:
+    """What is wrong with ``tiles`` as an exact cover of ``shape`` (gap, overlap, out of
+    bounds, rank), or None when every element is in exactly one tile."""
+    for t in tiles:
+        if len(t.offsets) != len(shape) or len(t.sizes) != len(shape):
+            return f"a block at {list(t.offsets)} has rank {len(t.sizes)}, the tensor {len(shape)}"
+        if any(o < 0 or o + s > d for o, s, d in zip(t.offsets, t.sizes, shape, strict=True)):
+            return f"block at {list(t.offsets)} of shape {list(t.sizes)} lies outside {list(shape)}"
+    if sum(_numel(t.sizes) for t in tiles) != _numel(shape):
+        covered = sum(_numel(t.sizes) for t in tiles)
+        return f"blocks hold {covered} elements, the tensor {_numel(shape)}: " + (
+            "a gap (a block or rank file missing?)" if covered < _numel(shape) else "blocks overlap"
+        )
+    boxes = sorted((t.offsets, t.sizes) for t in tiles if _numel(t.sizes) and t.sizes)
+    for i, (oa, sa) in enumerate(boxes):  # equal counts and no overlap: an exact cover
+        for ob, sb in boxes[i + 1 :]:
+            if ob[0] >= oa[0] + sa[0]:
+                break
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb, strict=True)):
+                return f"blocks at {list(oa)} and {list(ob)} overlap"
+    return None
+
+
+def tile_runs(shape: tuple[int, ...], itemsize: int, tiles: Sequence[Tile]) -> Iterator[Run]:
+    """The runs of a tensor of ``shape`` covered exactly by ``tiles`` (see tiling_error), in
+    row-major order, runs that continue one another in one file merged.
+
+    Dimensions after ``k`` that every tile spans whole make each tile contiguous over them,
+    so the tensor is walked as rows over the dimensions before ``k``; within a row, tiles
+    follow one another along ``k``, each one run.
+    """
+    tiles = [t for t in tiles if _numel(t.sizes)]
+    if not tiles:
+        return
+    if not shape:  # a scalar: its one block
+        yield Run(tiles[0].path, tiles[0].start, itemsize)
+        return
+    k = len(shape) - 1
+    while k > 0 and all(t.offsets[k] == 0 and t.sizes[k] == shape[k] for t in tiles):
+        k -= 1
+    inner = _numel(shape[k + 1 :]) * itemsize
+    if k == 0:
+        rows: list[tuple[int, ...]] = [()]
+    else:
+        rows = _rows(shape[:k])
+    pending: Run | None = None
+    for row in rows:
+        hits = sorted(
+            (t for t in tiles if all(o <= r < o + s for r, o, s in zip(row, t.offsets, t.sizes, strict=False))),
+            key=lambda t: t.offsets[k],
+        )
+        for t in hits:
+            local = 0  # the row's element offset within the tile, over dims < k
+            for r, o, s in zip(row, t.offsets, t.sizes[1 : k + 1], strict=False):
+                local = (local + (r - o)) * s
+            run = Run(t.path, t.start + local * inner, t.sizes[k] * inner)
+            if pending is not None and pending.path == run.path and pending.offset + pending.length == run.offset:
+                pending = Run(run.path, pending.offset, pending.length + run.length)
+                continue
+            if pending is not None:
+                yield pending
+            pending = run
+    if pending is not None:
+        yield pending
+
+
+def _rows(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    import itertools
+
+    return itertools.product(*map(range, shape))
+
+
+def strided_runs(ref) -> Iterator[Run]:
+    """The runs of a strided torch view ``ref`` (a TensorRef with ``strides``): one per
+    stretch of its row-major order that is contiguous in the storage. Readers gather
+    views in blocks instead (streamck.source.strided); this is the same bytes, described."""
+    shape, strides = ref.shape, ref.strides
+    numel = _numel(shape)
+    if not numel:
+        return
+    item = (ref.end - ref.start) // numel
+    k, expect = len(shape), 1
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == expect):
+        k -= 1
+        expect *= shape[k]
+    length = _numel(shape[k:]) * item
+    pending: Run | None = None
+    for index in _rows(shape[:k]):
+        offset = ref.start + sum(i * s for i, s in zip(index, strides, strict=False)) * item
+        if pending is not None and pending.offset + pending.length == offset:
+            pending = Run(ref.path, pending.offset, pending.length + length)
+            continue
+        if pending is not None:
+            yield pending
+        pending = Run(ref.path, offset, length)
+    if pending is not None:
+        yield pending
