@@ -49,14 +49,27 @@ def _device(text: str) -> str:
     return text
 
 
+def _open(src, step=None):
+    """open_checkpoint, with its notices (items skipped as not tensors) on stderr."""
+    ckpt = open_checkpoint(src, step)
+    for line in ckpt.notices:
+        print(f"streamck: note: {line}", file=sys.stderr)
+    return ckpt
+
+
+def _files(t, root: Path) -> str:
+    first = os.path.relpath(t.path, root)
+    return first if len(t.paths) == 1 else f"{first} (+{len(t.paths) - 1} more)"
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.src, args.step)
+    ckpt = _open(args.src, args.step)
     if args.json:
         sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
         return 0
     rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
     rows += [
-        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), os.path.relpath(t.path, ckpt.root))
+        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), _files(t, ckpt.root))
         for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
     table(rows)
@@ -74,7 +87,7 @@ def _compile(args: argparse.Namespace):
     if args.plan in BUILTIN_PLANS:
         return BUILTIN_PLANS[args.plan](src, cli_rules)
     base = load_rules(args.plan) if args.plan else Rules()
-    return compile_plan(open_checkpoint(src), base + cli_rules, copy_files=not args.no_copy_files)
+    return compile_plan(_open(src), base + cli_rules, copy_files=not args.no_copy_files)
 
 
 def _print_plan(plan) -> None:
@@ -142,7 +155,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 def _cmd_hash(args: argparse.Namespace) -> int:
     from streamck.check.digest import hash_manifest
 
-    m = hash_manifest(open_checkpoint(args.src))
+    m = hash_manifest(_open(args.src))
     text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())
     if args.output:
         Path(args.output).write_text(text)

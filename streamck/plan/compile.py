@@ -99,9 +99,10 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_fil
     side: dict[str, Path | bytes] = {}
     summary: list[str] = []
     if copy_files and checkpoint.path.is_dir():
-        side = {n: checkpoint.root / n for n in SIDE_FILES if (checkpoint.root / n).is_file()}
+        root = checkpoint.side_root or checkpoint.root
+        side = {n: root / n for n in SIDE_FILES if (root / n).is_file()}
         if rules.dtype and "config.json" in side:
-            side["config.json"], summary = _config_cast(checkpoint.root / "config.json", rules.dtype)
+            side["config.json"], summary = _config_cast(root / "config.json", rules.dtype)
     return Plan(tensors, metadata, source=checkpoint, summary=summary, side_files=side)
 
 

@@ -30,16 +30,17 @@ from streamck.plan.eagle4_layout import (
 )
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
-from streamck.source.layout import CONSOLIDATED
+from streamck.source.layout import CONSOLIDATED, HF_METADATA
 
 
 def find_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The given directory if it holds config.json, else its ``model/consolidated``."""
+    """The given directory if it holds config.json, else its ``model/consolidated``, else the
+    config written beside a step's shards (``model/.hf_metadata``)."""
     path = Path(path)
-    for candidate in (path, path / CONSOLIDATED):
+    for candidate in (path, path / CONSOLIDATED, path / HF_METADATA):
         if (candidate / "config.json").is_file():
             return candidate
-    raise PlanError(f"no config.json in {path} nor in {path / CONSOLIDATED}")
+    raise PlanError(f"no config.json in {path} nor in {path / CONSOLIDATED} or {path / HF_METADATA}")
 
 
 def _load_config(directory: Path) -> dict:
@@ -163,7 +164,7 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
     directory = find_checkpoint_dir(path)
     config = _load_config(directory)
     symbols = structure(config, directory / "config.json")
-    ckpt = open_checkpoint(directory)
+    ckpt = open_checkpoint(directory if directory.name != HF_METADATA.name else path)
     second = sorted(
         n for n in ckpt.tensors if n.startswith(SECOND_LAYER_PREFIX) and not n.startswith(SECOND_LAYER_PREFIX + "0.")
     )

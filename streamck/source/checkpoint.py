@@ -9,6 +9,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
+
+from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
@@ -34,7 +37,9 @@ class Checkpoint:
     """Every tensor of a checkpoint by name (in file order), with its file, byte range, dtype and shape.
 
     ``root`` is the directory that holds the checkpoint (the file's directory for a
-    single file); ``files`` maps each shard to the stamp taken when it was indexed.
+    single file); ``files`` maps each shard to the stamp taken when it was indexed;
+    ``notices`` are lines a user should see (items skipped as not tensors);
+    ``side_root`` holds the config and tokenizer files (``root`` when None).
     """
 
     path: Path
@@ -42,6 +47,8 @@ class Checkpoint:
     tensors: dict[str, TensorRef]
     metadata: dict[str, str]
     files: dict[Path, FileStamp] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    side_root: Path | None = None
 
     @property
     def total_size(self) -> int:
@@ -131,8 +138,59 @@ def _read_shard(path: Path) -> Header:
     return read_torch_zip(path) if zipped else read_header(path)
 
 
+def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
+    """A DCP checkpoint: each tensor's chunks, one per rank file, as tiles."""
+    from streamck.source import dcp
+
+    files = {shard: FileStamp.of(shard) for shard in layout.shards}
+    if layout.kind == "distcp":
+        entries, notices = dcp.read_distcp(layout.root)
+        files.update((p, FileStamp.of(p)) for e in entries.values() for p in dict.fromkeys(t.path for t in e.tiles))
+    else:
+        entries, notices = dcp.read_sharded_safetensors(layout.shards)
+    tensors = {}
+    for e in entries.values():
+        size = nbytes(e.dtype, _numel(e.shape))
+        tensors[e.name] = TensorRef(
+            e.name, e.dtype, e.shape, e.tiles[0].path if e.tiles else layout.root, 0, size, None, e.tiles
+        )
+    if layout.side_root is not None:
+        _cross_check(layout.side_root, tensors)
+    return Checkpoint(path, layout.root, tensors, {}, files, notices, layout.side_root)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _cross_check(side_root: Path, tensors: dict[str, TensorRef]) -> None:
+    """The tensor names against what the writer recorded beside the shards (Automodel's
+    ``fqn_to_file_index_mapping.json``): the shards record no world size, so a missing
+    last rank file shows only here."""
+    mapping = side_root / "fqn_to_file_index_mapping.json"
+    if not mapping.is_file():
+        return
+    try:
+        names = orjson.loads(mapping.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise CheckpointError(f"not valid JSON ({e})", mapping) from None
+    if not isinstance(names, dict):
+        raise CheckpointError("is not an object of tensor name to file index", mapping)
+    missing = [repr(n) for n in names if n not in tensors]
+    extra = [repr(n) for n in tensors if n not in names]
+    if missing:
+        raise CheckpointError(f"names {len(missing)} tensors the shards do not hold: {listing(missing, 5)}", mapping)
+    if extra:
+        raise CheckpointError(f"does not name {len(extra)} tensors the shards hold: {listing(extra, 5)}", mapping)
+
+
 def _index(path: Path) -> Checkpoint:
     layout = find_layout(path)
+    if layout.kind != "files":
+        return _index_distributed(path, layout)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
@@ -152,4 +210,4 @@ def _index(path: Path) -> Checkpoint:
     # ...and the map names nothing else: then it is exact.
     if layout.weight_map is not None and len(layout.weight_map) != len(tensors):
         raise _map_error(layout, tensors)
-    return Checkpoint(path, layout.root, tensors, metadata, files)
+    return Checkpoint(path, layout.root, tensors, metadata, files, side_root=layout.side_root)

@@ -16,7 +16,14 @@ INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # scheduler.pt, rng_state*.pth and training_args.bin: never weights, never matched.
 SHARD_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 CONSOLIDATED = Path("model", "consolidated")
-STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+# Trainer's checkpoint-<step>, Automodel's epoch_<E>_step_<S>: the step number is the last group.
+STEP_DIR = re.compile(r"^(?:checkpoint-|epoch_\d+_step_)(\d+)$")
+# Distributed checkpoints: torch DCP's sharded safetensors (one per rank) and native DCP.
+DCP_SHARDS = "shard-*-model-*-of-*.safetensors"
+DCP_METADATA = ".metadata"
+# Automodel: a step being written holds this file; the model's side files live here.
+INCOMPLETE = ".incomplete"
+HF_METADATA = Path("model", ".hf_metadata")
 # Small files that make a directory a loadable model; copied beside a directory output.
 SIDE_FILES = (
     "config.json",
@@ -36,13 +43,20 @@ SIDE_FILES = (
 @dataclass(frozen=True)
 class Layout:
     """The weights of a checkpoint: ``root`` directory and shard files; with an index,
-    its tensor → shard map as written and, per shard file, the names it is written as."""
+    its tensor → shard map as written and, per shard file, the names it is written as.
+
+    ``kind`` says how the shards are read: ``files`` (safetensors or torch zips, each
+    tensor whole in one file), ``dcp`` (torch DCP sharded safetensors) or ``distcp``
+    (native DCP). ``side_root`` holds the config and tokenizer files.
+    """
 
     root: Path
     shards: list[Path]
     weight_map: dict[str, str] | None = None
     spellings: dict[Path, set[str]] | None = None
     index: Path | None = None
+    kind: str = "files"
+    side_root: Path | None = None
 
 
 def _load_index(index_path: Path) -> dict[str, str]:
@@ -75,7 +89,7 @@ def _from_index(root: Path, index_path: Path) -> Layout:
 
 
 def steps(path: Path) -> dict[int, Path]:
-    """The ``checkpoint-<step>`` folders directly in ``path``, by step number."""
+    """The step folders directly in ``path`` (``checkpoint-<S>``, ``epoch_<E>_step_<S>``), by step."""
     found = {}
     for child in path.iterdir():
         m = STEP_DIR.match(child.name)
@@ -84,34 +98,79 @@ def steps(path: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def _latest(path: Path, found: dict[int, Path]) -> Path:
+    """What the run says is latest (Automodel's ``LATEST`` link or ``LATEST.txt``), else the
+    highest step number."""
+    if (path / "LATEST").is_dir():
+        return (path / "LATEST").resolve()
+    if (path / "LATEST.txt").is_file():
+        name = (path / "LATEST.txt").read_text().strip()
+        named = path / Path(name).name
+        if not named.is_dir():
+            raise CheckpointError(f"LATEST.txt names {name!r}, which is not a step folder here", path)
+        return named
+    return found[max(found)]
+
+
 def pick_step(path: Path, step: str | int) -> Path:
-    """``checkpoint-<step>`` in the run root ``path``; ``latest`` is the highest step number."""
+    """The step folder of ``step`` in the run root ``path``; ``latest`` as the run marks it."""
     found = steps(path) if path.is_dir() else {}
     if not found:
-        raise CheckpointError("--step given, but there are no checkpoint-<step> folders here", path)
+        raise CheckpointError("--step given, but there are no checkpoint-<step> or epoch_<E>_step_<S> folders", path)
     if step == "latest":
-        return found[max(found)]
+        return _latest(path, found)
     try:
         return found[int(step)]
     except (KeyError, ValueError):
-        raise CheckpointError(f"no checkpoint-{step} (steps here: {', '.join(map(str, found))})", path) from None
+        raise CheckpointError(f"no step {step} here (steps: {', '.join(map(str, found))})", path) from None
+
+
+def _distributed(path: Path) -> Layout | None:
+    """A torch DCP checkpoint in ``path`` (native, or sharded safetensors), or None."""
+    if (path / DCP_METADATA).is_file():
+        return Layout(path, sorted(path.glob("*.distcp")), kind="distcp")
+    shards = sorted(p for p in path.glob(DCP_SHARDS) if p.is_file())
+    if shards:
+        return Layout(path, shards, kind="dcp")
+    return None
+
+
+def _automodel_step(path: Path) -> Layout | None:
+    """An Automodel step folder: ``model/consolidated`` when it is there, else the shards
+    in ``model/`` consolidated on the fly; side files from ``model/.hf_metadata``."""
+    if (path / INCOMPLETE).exists():
+        raise CheckpointError(f"this step is still being written (it holds {INCOMPLETE}); pick a finished one", path)
+    if (path / CONSOLIDATED).is_dir() and any((path / CONSOLIDATED).iterdir()):
+        return find_layout(path / CONSOLIDATED)
+    found = _distributed(path / "model") if (path / "model").is_dir() else None
+    if found is None:
+        return None
+    side = path / HF_METADATA
+    return Layout(found.root, found.shards, kind=found.kind, side_root=side if side.is_dir() else found.root)
 
 
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     if path.is_file():
+        if path.name in INDEX_NAMES:
+            return find_layout(path.parent)
         return Layout(path.parent, [path])
     if not path.is_dir():
         raise CheckpointError("no such file or directory", path)
     for name in INDEX_NAMES:
         if (path / name).is_file():
             return _from_index(path, path / name)
+    found = _distributed(path)
+    if found is not None:
+        side = path / HF_METADATA.name  # the model/ folder of an Automodel step
+        return Layout(found.root, found.shards, kind=found.kind, side_root=side) if side.is_dir() else found
     for pattern in SHARD_GLOBS:
         shards = sorted(p for p in path.glob(pattern) if p.is_file())
         if shards:
             return Layout(path, shards)
-    if (path / CONSOLIDATED).is_dir():
-        return find_layout(path / CONSOLIDATED)
+    step = _automodel_step(path) if (path / "model").is_dir() else None
+    if step is not None:
+        return step
     found = steps(path)
     if found:
         listed = ", ".join(map(str, found))
