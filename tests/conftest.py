@@ -1,10 +1,9 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

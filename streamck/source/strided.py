@@ -18,6 +18,7 @@ from streamck.source.header import TensorRef
 if TYPE_CHECKING:  # numpy is imported where a view is gathered, not by every rewrite
     import numpy as np
 
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:

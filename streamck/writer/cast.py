@@ -78,9 +78,7 @@ class Caster:
         self.host_in = torch.empty(chunk, dtype=torch.uint8)
         self.host_out = torch.empty(chunk, dtype=torch.uint8)
 
-    def cast(
-        self, stream: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None
-    ) -> int:
+    def cast(self, stream: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None) -> int:
         """Cast the tensor that ``stream`` reads to ``dst`` and append it to the fd ``out``.
         Returns how many finite values became infinite."""
         overflow = 0

@@ -76,9 +76,7 @@ class CudaCaster:
             for _ in range(SLOTS)
         ]
 
-    def cast(
-        self, source: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None
-    ) -> int:
+    def cast(self, source: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None) -> int:
         """Cast the tensor that ``source`` reads to ``dst`` and append it to the fd ``out``.
         Returns how many finite values became infinite."""
         import torch
