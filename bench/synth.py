@@ -109,15 +109,29 @@ def make_bin(path: Path, size: int, embed: int) -> Path:
     return path
 
 
+# The training config of an EAGLE-4 draft, as the trainer writes it (sizes set below).
+DRAFT_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 39, 76]},
+}
+
+
 def make_eagle4_draft(root: Path, scale: int) -> Path:
     """A trained EAGLE-4 draft for a 70B target (H=8192, I=28672, V=128256, T=8192, A=3,
     R=1024), every size divided by ``scale``, written as a step directory."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from eagle4_drafts import BASE_CONFIG, shapes
+    from streamck.plan.eagle4 import training_shapes
 
     H, I, V, R = 8192 // scale, 28672 // scale, 128256 // scale, 1024 // scale  # noqa: E741
     config = {
-        **BASE_CONFIG,
+        **DRAFT_CONFIG,
         "hidden_size": H,
         "intermediate_size": I,
         "vocab_size": V,
@@ -131,7 +145,9 @@ def make_eagle4_draft(root: Path, scale: int) -> Path:
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     block = os.urandom(16 << 20)
-    write_shard(directory / "model.safetensors", [(n, list(s)) for n, s in shapes(config).items()], "BF16", block)
+    write_shard(
+        directory / "model.safetensors", [(n, list(s)) for n, s in training_shapes(config).items()], "BF16", block
+    )
     os.sync()
     return root
 

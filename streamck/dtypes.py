@@ -38,8 +38,32 @@ RANK: dict[str, int] = {name: i for i, name in enumerate(BITS)}
 # Casts are offered between these; the rest are carried unchanged.
 CASTABLE = ("F64", "F32", "F16", "BF16")
 
-# What a config.json's ``torch_dtype`` calls them.
-TORCH_NAMES: dict[str, str] = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# name -> (torch dtype name, the typed storage class torch.save pickles it with, or None
+# where torch pickles an UntypedStorage and passes the dtype to _rebuild_tensor_v3).
+TORCH: dict[str, tuple[str, str | None]] = {
+    "F64": ("float64", "DoubleStorage"),
+    "F32": ("float32", "FloatStorage"),
+    "F16": ("float16", "HalfStorage"),
+    "BF16": ("bfloat16", "BFloat16Storage"),
+    "I64": ("int64", "LongStorage"),
+    "I32": ("int32", "IntStorage"),
+    "I16": ("int16", "ShortStorage"),
+    "I8": ("int8", "CharStorage"),
+    "U8": ("uint8", "ByteStorage"),
+    "BOOL": ("bool", "BoolStorage"),
+    "C64": ("complex64", "ComplexFloatStorage"),
+    "U16": ("uint16", None),
+    "U32": ("uint32", None),
+    "U64": ("uint64", None),
+    "F8_E4M3": ("float8_e4m3fn", None),
+    "F8_E5M2": ("float8_e5m2", None),
+    "F8_E8M0": ("float8_e8m0fnu", None),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", None),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", None),
+}
+
+# What a config.json's ``torch_dtype`` calls the castable ones.
+TORCH_NAMES: dict[str, str] = {name: TORCH[name][0] for name in CASTABLE}
 
 ALIASES: dict[str, str] = {
     "float64": "F64",

@@ -29,3 +29,7 @@ class PlanError(StreamckError):
 
 class OutputError(StreamckError):
     """An output path that is refused, or a write that failed."""
+
+
+class UsageError(StreamckError):
+    """An argument the caller got wrong: a size, a dtype spelling, options that exclude each other."""

@@ -11,7 +11,7 @@ from helpers import raw_file
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamck import PlanError, Rule, Rules, compile_plan, open_checkpoint, rewrite
+from streamck import PlanError, Rule, Rules, compile_plan, open_checkpoint, write_plan
 
 TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BITS = {"F64": torch.int64, "F32": torch.int32, "F16": torch.int16, "BF16": torch.int16}
@@ -28,7 +28,7 @@ def cast_via_streamck(tmp_path, src_dtype: str, raw: bytes, dst_dtype: str, chun
     )
     out = tmp_path / f"out-{src_dtype}-{dst_dtype}.safetensors"
     plan = compile_plan(open_checkpoint(src), Rules(dtype=dst_dtype))
-    result = rewrite(plan, out, chunk=chunk, force=True, device=device)
+    result = write_plan(plan, out, chunk=chunk, force=True, device=device)
     return bytes(open_checkpoint(out).read("t")), result.overflow.get("t", 0)
 
 

@@ -139,7 +139,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         seen.update(kw, out=out)
         raise SystemExit(0)
 
-    monkeypatch.setattr(cli, "rewrite", fake_rewrite)
+    monkeypatch.setattr(cli, "write_plan", fake_rewrite)
     with pytest.raises(SystemExit):
         cli.main(
             [

@@ -12,7 +12,7 @@ import torch
 from helpers import raw_file
 from test_cast import ALL_16, _f32_ties, assert_same_as_torch, cast_via_streamck
 
-from streamck import Rules, compile_plan, open_checkpoint, rewrite
+from streamck import Rules, compile_plan, open_checkpoint, write_plan
 from streamck.writer.cudacast import pipeline
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -99,8 +99,8 @@ def test_cuda_caster_host_code_with_a_stand_in_for_torch_cuda(tmp_path, monkeypa
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     plan = compile_plan(open_checkpoint(_checkpoint(tmp_path)), Rules(dtype="F16"))
-    gpu = rewrite(plan, tmp_path / "g.safetensors", chunk=40_000, device="cuda")
-    cpu = rewrite(plan, tmp_path / "c.safetensors", chunk=40_000, device="cpu")
+    gpu = write_plan(plan, tmp_path / "g.safetensors", chunk=40_000, device="cuda")
+    cpu = write_plan(plan, tmp_path / "c.safetensors", chunk=40_000, device="cpu")
     assert gpu.overflow == cpu.overflow != {}
     assert (tmp_path / "g.safetensors").read_bytes() == (tmp_path / "c.safetensors").read_bytes()
 

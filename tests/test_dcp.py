@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from streamck import CheckpointError, Rules, compile_plan, open_checkpoint, rewrite
+from streamck import CheckpointError, Rules, compile_plan, open_checkpoint, write_plan
 from streamck.check import diff
 
 
@@ -24,7 +24,7 @@ def sources(c):
 @pytest.mark.parametrize("kind", ["hf", "dcp", "automodel"])
 def test_rewrite_equals_the_full_tensors(dcp_ckpts, tmp_path, kind):
     src = sources(dcp_ckpts)[kind]
-    result = rewrite(compile_plan(open_checkpoint(src)), tmp_path / "out.safetensors", verify=True)
+    result = write_plan(compile_plan(open_checkpoint(src)), tmp_path / "out.safetensors", verify=True)
     assert result.files == [tmp_path / "out.safetensors"]
     got = load_file(tmp_path / "out.safetensors")
     want = dcp_ckpts["tensors"]
@@ -36,7 +36,7 @@ def test_rewrite_equals_the_full_tensors(dcp_ckpts, tmp_path, kind):
 def test_tiny_buffers_sharded_output_and_cast(dcp_ckpts, tmp_path):
     ckpt = open_checkpoint(dcp_ckpts["dcp"])
     plan = compile_plan(ckpt, Rules((), "bf16"))
-    rewrite(plan, tmp_path / "out", chunk=64, max_shard_size=4000, verify=True)
+    write_plan(plan, tmp_path / "out", chunk=64, max_shard_size=4000, verify=True)
     got = {}
     for f in sorted((tmp_path / "out").glob("*.safetensors")):
         got.update(load_file(f))
@@ -70,7 +70,7 @@ def test_automodel_run_root_and_steps(dcp_ckpts, tmp_path):
     refused = streamck("ls", run)
     assert refused.returncode == 2 and b"--step" in refused.stderr
     # Side files come from model/.hf_metadata.
-    rewrite(compile_plan(open_checkpoint(step)), tmp_path / "out")
+    write_plan(compile_plan(open_checkpoint(step)), tmp_path / "out")
     assert (tmp_path / "out" / "config.json").read_bytes() == (step / "model/.hf_metadata/config.json").read_bytes()
     assert not (tmp_path / "out" / "fqn_to_file_index_mapping.json").exists()
     # A consolidated export, when there, is preferred over the shards.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import llama_like, save, save_sharded
 
-from streamck import OutputError, Rules, compile_plan, open_checkpoint, rewrite
+from streamck import OutputError, Rules, compile_plan, open_checkpoint, write_plan
 from streamck.check import collapse, diff
 
 
@@ -156,7 +156,7 @@ def test_verify_catches_a_byte_flipped_before_verification(tmp_path, monkeypatch
     monkeypatch.setattr(rw, "verify_shard", tamper)
     plan = compile_plan(open_checkpoint(src), Rules(dtype=dtype))
     with pytest.raises(OutputError, match="verification failed"):
-        rewrite(plan, tmp_path / "o.safetensors", verify=True)
+        write_plan(plan, tmp_path / "o.safetensors", verify=True)
     assert not (tmp_path / "o.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import llama_like, read_all, save, save_sharded
 
-from streamck import CheckpointError, OutputError, Rules, compile_plan, open_checkpoint, rewrite
+from streamck import CheckpointError, OutputError, Rules, compile_plan, open_checkpoint, write_plan
 from streamck.cli import main
 
 # Run the CLI in a child whose first tensor copy announces itself (a file appears)
@@ -154,7 +154,7 @@ def test_source_changing_during_rewrite_is_detected(tmp_path, source, monkeypatc
     monkeypatch.setattr(Reader, "copy", touching)
     plan = compile_plan(open_checkpoint(source))
     with pytest.raises(CheckpointError, match="changed during the run"):
-        rewrite(plan, tmp_path / "out")
+        write_plan(plan, tmp_path / "out")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -164,7 +164,7 @@ def test_source_truncated_during_rewrite(tmp_path):
     with open(src, "r+b") as f:
         f.truncate(src.stat().st_size - 100)
     with pytest.raises(CheckpointError, match="ended before|changed"):
-        rewrite(plan, tmp_path / "o.safetensors")
+        write_plan(plan, tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -227,6 +227,6 @@ def test_path_we_cannot_enter(tmp_path, capsys):
 
 def test_output_refusals_from_the_cli(tmp_path, source, capsys):
     with pytest.raises(OutputError):
-        rewrite(compile_plan(open_checkpoint(source)), source, force=True)
+        write_plan(compile_plan(open_checkpoint(source)), source, force=True)
     assert main(["rewrite", str(source), "-o", str(source), "--force"]) == 2
     assert "refusing to write over the source" in capsys.readouterr().err

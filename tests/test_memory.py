@@ -14,12 +14,12 @@ TENSOR = 256 * MIB
 
 CHILD = """
 import sys
-from streamck import Rules, compile_plan, open_checkpoint, rewrite
+from streamck import Rules, compile_plan, open_checkpoint, write_plan
 if sys.argv[1] == "cast":
     import torch  # noqa: F401  the baseline run imports it too
 if sys.argv[1] != "baseline-cast" and sys.argv[1] != "baseline":
     rules = Rules((), "bf16" if sys.argv[1] == "cast" else None)
-    rewrite(compile_plan(open_checkpoint(sys.argv[2]), rules), sys.argv[3])
+    write_plan(compile_plan(open_checkpoint(sys.argv[2]), rules), sys.argv[3])
 elif sys.argv[1] == "baseline-cast":
     import torch  # noqa: F401
 """

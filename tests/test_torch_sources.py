@@ -14,7 +14,7 @@ import torch
 from helpers import save
 from safetensors.torch import load, load_file
 
-from streamck import CheckpointError, Rules, compile_plan, open_checkpoint, rewrite
+from streamck import CheckpointError, Rules, compile_plan, open_checkpoint, write_plan
 from streamck.check import diff
 
 
@@ -65,7 +65,7 @@ def test_bin_with_views_shared_and_tied_storages(tmp_path):
     assert not tricky_state_dict()["transposed"].is_contiguous()
     ckpt = open_checkpoint(tmp_path / "pytorch_model.bin")
     assert ckpt.tensors["transposed"].strides is not None and ckpt.tensors["plain"].strides is None
-    rewrite(compile_plan(ckpt), tmp_path / "out.safetensors")
+    write_plan(compile_plan(ckpt), tmp_path / "out.safetensors")
     assert_matches_torch_load(tmp_path / "out.safetensors", tmp_path / "pytorch_model.bin")
 
 
@@ -74,7 +74,7 @@ def test_module_state_dict_and_small_chunks(tmp_path):
     sd = model.state_dict()
     sd["t"] = torch.randn(50, 40).t()
     torch.save(sd, tmp_path / "m.pt")
-    rewrite(compile_plan(open_checkpoint(tmp_path / "m.pt")), tmp_path / "o.safetensors", chunk=100)
+    write_plan(compile_plan(open_checkpoint(tmp_path / "m.pt")), tmp_path / "o.safetensors", chunk=100)
     assert_matches_torch_load(tmp_path / "o.safetensors", tmp_path / "m.pt")
 
 
@@ -108,7 +108,7 @@ def test_sharded_bin_with_index(tmp_path):
 
 def test_cast_from_bin(tmp_path):
     torch.save({"w": torch.randn(33, 7), "i": torch.arange(3)}, tmp_path / "a.bin")
-    rewrite(compile_plan(open_checkpoint(tmp_path / "a.bin"), Rules(dtype="bf16")), tmp_path / "o.safetensors")
+    write_plan(compile_plan(open_checkpoint(tmp_path / "a.bin"), Rules(dtype="bf16")), tmp_path / "o.safetensors")
     got = load_file(tmp_path / "o.safetensors")
     src = torch.load(tmp_path / "a.bin", weights_only=True)
     assert torch.equal(got["w"], src["w"].to(torch.bfloat16)) and torch.equal(got["i"], src["i"])
@@ -120,7 +120,7 @@ def test_cast_of_non_contiguous_views(tmp_path, dtype, chunk):
     # (F64 doubles every block on the way out).
     torch.save(tricky_state_dict(), tmp_path / "a.bin")
     plan = compile_plan(open_checkpoint(tmp_path / "a.bin"), Rules(dtype=dtype))
-    rewrite(plan, tmp_path / "o.safetensors", chunk=chunk, verify=True)
+    write_plan(plan, tmp_path / "o.safetensors", chunk=chunk, verify=True)
     got = load_file(tmp_path / "o.safetensors")
     want = {"bf16": torch.bfloat16, "fp64": torch.float64, "fp16": torch.float16}[dtype]
     for name, t in tricky_state_dict().items():
@@ -202,7 +202,7 @@ def test_step_latest_is_numeric_and_side_files_are_copied(tmp_path):
     assert sorted(p.name for p in (tmp_path / "d2").iterdir()) == ["model.safetensors"]
     assert "checkpoint-900" in streamck("ls", run, "--step", "900", text=True).stdout
     bad = streamck("ls", run, "--step", "7", text=True)
-    assert bad.returncode == 2 and "no checkpoint-7" in bad.stderr
+    assert bad.returncode == 2 and "no step 7 here (steps: 50, 900, 1000)" in bad.stderr
 
 
 def test_stdout_stream_is_a_valid_sequential_file(tmp_path):
@@ -214,7 +214,7 @@ def test_stdout_stream_is_a_valid_sequential_file(tmp_path):
         capture_output=True,
     )
     assert piped.returncode == 0, piped.stderr
-    rewrite(compile_plan(open_checkpoint(tmp_path / "m.bin")), tmp_path / "file.safetensors")
+    write_plan(compile_plan(open_checkpoint(tmp_path / "m.bin")), tmp_path / "file.safetensors")
     assert piped.stdout == (tmp_path / "file.safetensors").read_bytes()
     got = load(piped.stdout)
     assert torch.equal(got["transposed"], sd["transposed"])
@@ -230,7 +230,7 @@ def test_ls_and_diff_on_bin(tmp_path):
     torch.save(tricky_state_dict(), tmp_path / "a.bin")
     manifest = json.loads(streamck("ls", tmp_path / "a.bin", "--json", text=True).stdout)
     assert manifest["tensors"]["transposed"] == {"dtype": "F32", "shape": [10, 6]}
-    rewrite(compile_plan(open_checkpoint(tmp_path / "a.bin")), tmp_path / "b.safetensors")
+    write_plan(compile_plan(open_checkpoint(tmp_path / "a.bin")), tmp_path / "b.safetensors")
     assert diff(tmp_path / "a.bin", tmp_path / "b.safetensors", data=True).equal
 
 

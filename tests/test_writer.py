@@ -10,14 +10,14 @@ from helpers import llama_like, metadata_of, raw_file, read_all, save, save_shar
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from streamck import OutputError, Rule, Rules, compile_plan, open_checkpoint, rewrite
+from streamck import OutputError, Rule, Rules, compile_plan, open_checkpoint, write_plan
 from streamck.writer import parse_size
 
 STRIP = Rules((Rule("strip_prefix", "model."),))
 
 
 def run(src, out, rules=None, **kw):
-    return rewrite(compile_plan(open_checkpoint(src), rules), out, **kw)
+    return write_plan(compile_plan(open_checkpoint(src), rules), out, **kw)
 
 
 def test_identical_to_reference_writer(tmp_path):
@@ -172,7 +172,7 @@ def test_source_changed_during_run_is_detected(tmp_path):
     plan = compile_plan(open_checkpoint(src))
     save(src, {"a": np.zeros(2)})  # rewritten between indexing and writing: new inode/mtime
     with pytest.raises(Exception, match="changed"):
-        rewrite(plan, tmp_path / "o.safetensors")
+        write_plan(plan, tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -255,7 +255,7 @@ def test_progress_bar_counts_every_output_byte(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sw.Progress, "close", close)
     src = save(tmp_path / "s.safetensors", llama_like())
     plan = compile_plan(open_checkpoint(src), Rules((Rule("cast", "*norm*=bf16"),)))  # copies and a cast
-    rewrite(plan, tmp_path / "o.safetensors", progress=True, chunk=64)
+    write_plan(plan, tmp_path / "o.safetensors", progress=True, chunk=64)
     assert counted == [plan.total_size]
     assert "B/s" in capsys.readouterr().err
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamck.errors import StreamckError
+from streamck.errors import StreamckError, UsageError
 from streamck.manifest import checkpoint_manifest, load_manifest
 from streamck.source import Checkpoint, open_checkpoint
 
@@ -194,7 +194,7 @@ def diff(
     sa = a if isinstance(a, Side) else load_side(a)
     sb = b if isinstance(b, Side) else load_side(b)
     if data and (sa.checkpoint is None or sb.checkpoint is None):
-        raise StreamckError("--data compares tensor bytes: both sides must be checkpoints, not manifests")
+        raise UsageError("--data compares tensor bytes: both sides must be checkpoints, not manifests")
     ignored = re.compile("|".join(fnmatch.translate(g) for g in ignore)) if ignore else None
     ta = {n: e for n, e in sa.tensors.items() if not (ignored and ignored.match(n))}
     tb = {n: e for n, e in sb.tensors.items() if not (ignored and ignored.match(n))}

@@ -1,7 +1,7 @@
 """Plan: rules compiled against a source index into the exact output tensors."""
 
 from streamck.plan.compile import OutputTensor, Plan, compile_plan
-from streamck.plan.eagle4 import eagle4_plan, export_eagle4_draft
+from streamck.plan.eagle4 import eagle4_plan
 from streamck.plan.rules import Rule, Rules, load_rules
 
 BUILTIN_PLANS = {"eagle4": eagle4_plan}
@@ -14,6 +14,5 @@ __all__ = [
     "Rules",
     "compile_plan",
     "eagle4_plan",
-    "export_eagle4_draft",
     "load_rules",
 ]

@@ -11,6 +11,7 @@ from streamck.dtypes import CASTABLE, TORCH_NAMES, nbytes
 from streamck.errors import PlanError, listing
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
+from streamck.source.header import METADATA_KEY
 from streamck.source.layout import SIDE_FILES
 
 
@@ -88,7 +89,7 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_fil
     collisions = [f"{', '.join(srcs)} -> {out}" for out, srcs in by_name.items() if len(srcs) > 1]
     if collisions:
         raise PlanError(f"{len(collisions)} output names collide: {listing(collisions, 5)}")
-    bad = [repr(n) for n in by_name if not n or n == "__metadata__"]
+    bad = [repr(n) for n in by_name if not n or n == METADATA_KEY]
     if bad:
         raise PlanError(f"rules produce invalid tensor names: {listing(bad)}")
     if not tensors:

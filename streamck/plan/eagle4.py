@@ -129,6 +129,13 @@ def table(config: dict) -> list[tuple[str, str, tuple[str, ...]]]:
     return rows
 
 
+def training_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Training key -> shape that the contract expects for ``config`` (PlanError if the
+    config is not a supported EAGLE-4 draft)."""
+    symbols = structure(config, Path("config.json"))
+    return {train: tuple(_evaluate(e, symbols) for e in exprs) for _, train, exprs in table(config)}
+
+
 def _evaluate(expr: str, symbols: dict[str, int]) -> int:
     return math.prod(int(f) if f.isdigit() else symbols[f] for f in expr.split("*"))
 
@@ -205,16 +212,3 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
     return Plan(
         tensors, {"format": "pt"}, {"config.json": body.encode()}, source=ckpt, summary=summary, single_file=True
     )
-
-
-def export_eagle4_draft(
-    checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, *, dtype: str | None = None, force: bool = False
-) -> Path:
-    """Export the EAGLE-4 draft at ``checkpoint_dir`` into ``output_dir`` (``config.json`` and
-    ``model.safetensors``), casting floating tensors to ``dtype`` if given. Returns
-    ``output_dir``. Raises PlanError or OutputError before writing anything."""
-    from streamck.writer import rewrite
-
-    output_dir = Path(output_dir)
-    rewrite(eagle4_plan(checkpoint_dir, Rules(dtype=dtype)), output_dir, force=force)
-    return output_dir

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -121,6 +122,26 @@ class Rules:
         return None
 
 
+def rules_from(items: Iterable[Rule | Mapping[str, str]]) -> tuple[Rule, ...]:
+    """Rules in the plan file's shape (``{"strip_prefix": "model."}``, one key each) or as
+    Rule objects, in order. Raises PlanError naming the first bad one."""
+    rules = []
+    for i, item in enumerate(items):
+        if isinstance(item, Rule):
+            rules.append(item)
+            continue
+        if not (isinstance(item, Mapping) and len(item) == 1):
+            raise PlanError(f"rules[{i}] must be a table with exactly one key")
+        ((kind, arg),) = item.items()
+        if not isinstance(arg, str):
+            raise PlanError(f"rules[{i}].{kind} must be a string")
+        try:
+            rules.append(Rule(kind, arg))
+        except PlanError as e:
+            raise PlanError(f"rules[{i}]: {e}") from None
+    return tuple(rules)
+
+
 def load_rules(path: str | Path) -> Rules:
     """Read a TOML plan file: ``rules = [{strip_prefix = "model."}, {drop = "*.inv_freq"}, ...]``
     and an optional ``dtype = "bf16"``. Each rule table has exactly one key, whose
@@ -135,21 +156,14 @@ def load_rules(path: str | Path) -> Rules:
     unknown = set(doc) - {"rules", "dtype"}
     if unknown:
         raise PlanError(f"unknown top-level keys {sorted(unknown)} (known: rules, dtype)", path)
-    rules = []
-    for i, table in enumerate(doc.get("rules", [])):
-        if not (isinstance(table, dict) and len(table) == 1):
-            raise PlanError(f"rules[{i}] must be a table with exactly one key", path)
-        ((kind, arg),) = table.items()
-        if not isinstance(arg, str):
-            raise PlanError(f"rules[{i}].{kind} must be a string", path)
-        try:
-            rules.append(Rule(kind, arg))
-        except PlanError as e:
-            raise PlanError(f"rules[{i}]: {e}", path) from None
+    try:
+        rules = rules_from(doc.get("rules", []))
+    except PlanError as e:
+        raise PlanError(str(e), path) from None
     dtype = doc.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise PlanError("dtype must be a string", path)
     try:
-        return Rules(tuple(rules), dtype)
+        return Rules(rules, dtype)
     except PlanError as e:
         raise PlanError(str(e), path) from None

@@ -1,4 +1,4 @@
-"""Strict reading of one safetensors header.
+"""The safetensors format, in one place: reading a header strictly, and writing one.
 
 The rules are the reference reader's (``safetensors`` 0.8): an 8-byte
 little-endian length, at most 100 MB of UTF-8 JSON that is an object, each
@@ -7,7 +7,9 @@ optional ``__metadata__`` map of strings, and tensors that tile the data area
 exactly: no gap, no overlap, no trailing byte. One rule is stricter: a key
 given twice in any object (a tensor name, a metadata key) is refused, where the
 reference silently keeps the last one.
-Nothing here allocates more than the header's real size.
+Nothing here allocates more than the header's real size. Writing is the
+reference writer's: compact JSON, ``__metadata__`` first, spaces padding the data
+area's start to a multiple of 8 (or of a larger alignment asked for).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -23,10 +25,12 @@ from typing import NamedTuple
 import orjson
 
 from streamck.dtypes import BITS
-from streamck.errors import CheckpointError
+from streamck.errors import CheckpointError, OutputError
 from streamck.source.runs import Run, Tile, strided_runs, tile_runs
 
-MAX_HEADER = 100_000_000
+MAX_HEADER = 100_000_000  # the reference reader's cap on the JSON header, in bytes
+METADATA_KEY = "__metadata__"
+ALIGN = 8  # the data area starts at a multiple of this
 _U64 = 1 << 64
 
 
@@ -197,11 +201,11 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
     data_start = 8 + len(raw)
     try:
         obj = _decode_json(raw)
-        metadata = obj.pop("__metadata__", None)
+        metadata = obj.pop(METADATA_KEY, None)
         if metadata is None:
             metadata = {}
         elif not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-            raise _Invalid("__metadata__ is not a map of strings to strings")
+            raise _Invalid(f"{METADATA_KEY} is not a map of strings to strings")
         tensors, end, in_order = [], 0, True
         for name, e in obj.items():
             # Fast path for well-formed entries; _entry() re-checks a bad one to say what is wrong.
@@ -267,3 +271,29 @@ def read_header(path: str | os.PathLike) -> Header:
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None
     return parse_header(raw, size - 8 - n, path)
+
+
+def encode_header(
+    tensors: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str], align: int = ALIGN
+) -> bytes:
+    """The 8-byte length, compact JSON header and space padding for ``(name, dtype, shape,
+    nbytes)`` entries laid out in that order.
+
+    Padding makes ``8 + header length`` a multiple of ``align`` (itself a multiple of 8),
+    so the data area starts aligned. Raises OutputError above the readers' cap.
+    """
+    entries: dict[str, object] = {}
+    if metadata:
+        entries[METADATA_KEY] = dict(sorted(metadata.items()))
+    offset = 0
+    for name, dtype, shape, size in tensors:
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % align)
+    if len(raw) > MAX_HEADER:
+        raise OutputError(
+            f"the header of one file would be {len(raw)} bytes, above the {MAX_HEADER}-byte "
+            "cap of safetensors readers; split the output with --max-shard-size"
+        )
+    return struct.pack("<Q", len(raw)) + raw

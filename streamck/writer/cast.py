@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from streamck.dtypes import BITS, CASTABLE, TORCH_NAMES
-from streamck.errors import StreamckError
 from streamck.fileio import write_all
 from streamck.source.reader import CHUNK, TensorStream
 
@@ -51,17 +50,6 @@ def chunk_steps(chunk: int, numel: int, src: str, dst: str) -> list[tuple[int, i
     if per >= 4096:  # whole vectors per chunk: torch's scalar tail loop runs only at the end
         per -= per % 4096
     return [(i, min(per, numel - i)) for i in range(0, numel, per)]
-
-
-def new_caster(chunk: int = CAST_CHUNK, device: str = "cpu"):
-    """A ``Caster`` for ``device`` "cpu", a ``CudaCaster`` for "cuda" or "cuda:N"."""
-    if device == "cpu":
-        return Caster(chunk)
-    if device.split(":")[0] == "cuda":
-        from streamck.writer.cudacast import CudaCaster
-
-        return CudaCaster(chunk, device)
-    raise StreamckError(f"--device {device}: only cpu and cuda are supported")
 
 
 class Caster:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass
 
 from streamck.dtypes import RANK
-from streamck.errors import OutputError
 from streamck.plan import OutputTensor, Plan
 from streamck.source import header
 
@@ -35,27 +33,9 @@ def write_order(tensors: list[OutputTensor]) -> list[OutputTensor]:
     return sorted(tensors, key=lambda t: (-RANK[t.dtype], t.name))
 
 
-def header_bytes(tensors: list[OutputTensor], metadata: dict[str, str], align: int = 8) -> bytes:
-    """The 8-byte length, compact JSON header and space padding for ``tensors`` in that order.
-
-    Padding makes ``8 + header length`` a multiple of ``align`` (itself a multiple
-    of 8), so the data area starts aligned; the reference pads to 8.
-    """
-    entries: dict[str, object] = {}
-    if metadata:
-        entries["__metadata__"] = dict(sorted(metadata.items()))
-    offset = 0
-    for t in tensors:
-        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % align)
-    if len(raw) > header.MAX_HEADER:
-        raise OutputError(
-            f"the header of one file would be {len(raw)} bytes, above the {header.MAX_HEADER}-byte "
-            "cap of safetensors readers; split the output with --max-shard-size"
-        )
-    return struct.pack("<Q", len(raw)) + raw
+def header_bytes(tensors: list[OutputTensor], metadata: dict[str, str], align: int = header.ALIGN) -> bytes:
+    """The complete header of a file holding ``tensors`` in that order (see encode_header)."""
+    return header.encode_header(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), metadata, align)
 
 
 def _natural(name: str) -> list[object]:

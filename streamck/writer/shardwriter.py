@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from streamck.errors import UsageError
 from streamck.fileio import write_all
 from streamck.source.reader import CHUNK, Reader
 from streamck.writer.layout import Shard
@@ -64,9 +65,17 @@ class ShardWriter:
         """The caster for this run, made (torch imported, buffers allocated, the device
         checked) on first use; call it before writing to fail before any file exists."""
         if self.caster is None:
-            from streamck.writer.cast import CAST_CHUNK, new_caster
+            from streamck.writer.cast import CAST_CHUNK, Caster
 
-            self.caster = new_caster(min(self.chunk, CAST_CHUNK), self.device or "cpu")
+            device, chunk = self.device or "cpu", min(self.chunk, CAST_CHUNK)
+            if device == "cpu":
+                self.caster = Caster(chunk)
+            elif device.split(":")[0] == "cuda":
+                from streamck.writer.cudacast import CudaCaster
+
+                self.caster = CudaCaster(chunk, device)
+            else:
+                raise UsageError(f"--device {device}: only cpu and cuda are supported")
         return self.caster
 
     def write(self, shard: Shard, out: int) -> None:

@@ -1,0 +1,169 @@
+"""One call per command: what the CLI does, as functions a program can import.
+
+Each opens the source, compiles the plan and writes or reports, with the CLI's
+defaults. They install no signal handlers and change no process state, so they
+run from any thread; every failure is a ``StreamckError``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from streamck.check import DiffResult
+from streamck.check import diff as _diff
+from streamck.errors import UsageError
+from streamck.plan import BUILTIN_PLANS, Plan, Rule, Rules, compile_plan, load_rules
+from streamck.plan.rules import rules_from
+from streamck.source import Checkpoint, open_checkpoint
+from streamck.source.layout import pick_step
+from streamck.writer import WriteResult, write_plan
+
+Source = str | os.PathLike | Checkpoint
+
+
+def _checkpoint(source: Source, step: str | int | None = None) -> Checkpoint:
+    return source if isinstance(source, Checkpoint) else open_checkpoint(source, step)
+
+
+def build_plan(
+    source: Source,
+    *,
+    rules: Iterable[Rule | Mapping[str, str]] = (),
+    plan: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    casts: Mapping[str, str] | None = None,
+    step: str | int | None = None,
+    copy_files: bool = True,
+) -> Plan:
+    """Compile what ``rewrite`` would write, without writing: the output tensors, their
+    sources and dtypes, and the side files.
+
+    >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
+    >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
+    ['embed_tokens.weight', 'layers.0.mlp.up_proj.weight']
+    """
+    extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
+    given = Rules(rules_from(rules) + extra, dtype)
+    if plan is not None and os.fspath(plan) in BUILTIN_PLANS:
+        if isinstance(source, Checkpoint):
+            raise UsageError(f"plan {plan!r} opens its own source: pass a path, not a Checkpoint")
+        path = pick_step(Path(source), step) if step is not None else source
+        return BUILTIN_PLANS[os.fspath(plan)](path, given)
+    base = load_rules(plan) if plan is not None else Rules()
+    return compile_plan(_checkpoint(source, step), base + given, copy_files=copy_files)
+
+
+def rewrite(
+    source: Source,
+    output: str | os.PathLike,
+    *,
+    rules: Iterable[Rule | Mapping[str, str]] = (),
+    plan: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    casts: Mapping[str, str] | None = None,
+    step: str | int | None = None,
+    copy_files: bool = True,
+    max_shard_size: int | str | None = None,
+    header_align: int = 8,
+    force: bool = False,
+    verify: bool = False,
+    device: str | None = None,
+    drop_cache: bool = False,
+) -> WriteResult:
+    """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
+
+    ``rules`` take the plan file's shape (``{"strip_prefix": "model."}``, applied in
+    order) or Rule objects; ``plan`` is a built-in plan name (``"eagle4"``) or a TOML
+    plan file whose rules run first; ``dtype`` casts every float tensor and ``casts``
+    maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
+    size like ``"5GB"``. Memory stays near one chunk whatever the checkpoint.
+
+    >>> import numpy as np, safetensors.numpy, tempfile, streamck
+    >>> d = tempfile.mkdtemp()
+    >>> safetensors.numpy.save_file({"model.w": np.ones((2, 3), np.float32)}, f"{d}/in.safetensors")
+    >>> result = streamck.rewrite(f"{d}/in.safetensors", f"{d}/out.safetensors",
+    ...                           rules=[{"strip_prefix": "model."}], dtype="bf16")
+    >>> streamck.ls(f"{d}/out.safetensors")["tensors"]
+    {'w': {'dtype': 'BF16', 'shape': [2, 3]}}
+    """
+    from streamck.writer import parse_size
+
+    compiled = build_plan(source, rules=rules, plan=plan, dtype=dtype, casts=casts, step=step, copy_files=copy_files)
+    size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    return write_plan(
+        compiled,
+        output,
+        max_shard_size=size,
+        header_align=header_align,
+        force=force,
+        verify=verify,
+        device=device,
+        drop_cache=drop_cache,
+    )
+
+
+def ls(source: Source, *, step: str | int | None = None) -> dict[str, Any]:
+    """The manifest of ``source`` (``streamck ls --json``): every tensor's dtype and shape,
+    the metadata and the total size, from headers alone.
+
+    >>> import numpy as np, safetensors.numpy, tempfile, streamck
+    >>> d = tempfile.mkdtemp()
+    >>> safetensors.numpy.save_file({"b": np.zeros(4, np.int8)}, f"{d}/m.safetensors")
+    >>> streamck.ls(f"{d}/m.safetensors")["total_size"]
+    4
+    """
+    from streamck.manifest import checkpoint_manifest
+
+    return checkpoint_manifest(_checkpoint(source, step))
+
+
+def diff(
+    a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = (), data: bool = False
+) -> DiffResult:
+    """Compare two checkpoints or manifests (``streamck diff``); ``bool(result)`` is True
+    when they differ and ``str(result)`` is the report.
+
+    >>> import numpy as np, safetensors.numpy, tempfile, streamck
+    >>> d = tempfile.mkdtemp()
+    >>> safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, f"{d}/a.safetensors")
+    >>> safetensors.numpy.save_file({"w": np.ones(2, np.float32)}, f"{d}/b.safetensors")
+    >>> streamck.diff(f"{d}/a.safetensors", f"{d}/b.safetensors").equal
+    True
+    >>> [x.differing for x in streamck.diff(f"{d}/a.safetensors", f"{d}/b.safetensors", data=True).data]
+    [2]
+    """
+    return _diff(a, b, ignore=tuple(ignore), data=data)
+
+
+def hash(source: Source, *, step: str | int | None = None) -> dict[str, Any]:
+    """The manifest of ``source`` with the sha256 of every tensor's bytes (``streamck hash
+    --json``), read in bounded pieces.
+
+    >>> import numpy as np, safetensors.numpy, tempfile, streamck
+    >>> d = tempfile.mkdtemp()
+    >>> safetensors.numpy.save_file({"w": np.zeros(1, np.int8)}, f"{d}/m.safetensors")
+    >>> streamck.hash(f"{d}/m.safetensors")["tensors"]["w"]["sha256"][:12]
+    '6e340b9cffb3'
+    """
+    from streamck.check.digest import hash_manifest
+
+    return hash_manifest(_checkpoint(source, step))
+
+
+def export_eagle4_draft(
+    checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, *, dtype: str | None = None, force: bool = False
+) -> Path:
+    """Export the EAGLE-4 draft at ``checkpoint_dir`` (a step directory, its
+    ``model/consolidated``, or a step holding only shards) into ``output_dir``
+    (``config.json`` and ``model.safetensors``), casting floating tensors to ``dtype`` if
+    given. Returns ``output_dir``. Raises PlanError or OutputError before writing anything.
+
+    >>> streamck.export_eagle4_draft("runs/draft/epoch_0_step_3000", "exports/draft", dtype="bf16")  # doctest: +SKIP
+    PosixPath('exports/draft')
+    """
+    output_dir = Path(output_dir)
+    rewrite(checkpoint_dir, output_dir, plan="eagle4", dtype=dtype, force=force)
+    return output_dir
