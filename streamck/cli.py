@@ -7,13 +7,18 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamck import manifest
-from streamck.errors import StreamckError
+from streamck.errors import StreamckError, UsageError
 from streamck.plan import BUILTIN_PLANS, Rule, Rules, compile_plan, load_rules
 from streamck.source import open_checkpoint
 from streamck.source.layout import pick_step
-from streamck.writer import parse_size, rewrite
+from streamck.writer import parse_size, write_plan
+
+if TYPE_CHECKING:
+    from streamck.check.diff import Side
+    from streamck.source import Checkpoint
 
 
 def human(n: int) -> str:
@@ -49,9 +54,9 @@ def _device(text: str) -> str:
     return text
 
 
-def _open(src, step=None):
-    """open_checkpoint, with its notices (items skipped as not tensors) on stderr."""
-    ckpt = open_checkpoint(src, step)
+def _open(src: str | os.PathLike, step: str | None = None, key: str | None = None) -> Checkpoint:
+    """open_checkpoint, with its notices (items skipped as not tensors, a key chosen) on stderr."""
+    ckpt = open_checkpoint(src, step, key)
     for line in ckpt.notices:
         print(f"streamck: note: {line}", file=sys.stderr)
     return ckpt
@@ -63,7 +68,7 @@ def _files(t, root: Path) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    ckpt = _open(args.src, args.step)
+    ckpt = _open(args.src, args.step, args.key)
     if args.json:
         sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
         return 0
@@ -85,9 +90,11 @@ def _compile(args: argparse.Namespace):
     cli_rules = Rules(tuple(args.rules or ()), args.dtype)
     src = pick_step(Path(args.src), args.step) if args.step is not None else args.src
     if args.plan in BUILTIN_PLANS:
+        if args.key is not None:
+            raise UsageError(f"--key does not apply to --plan {args.plan}, which reads safetensors")
         return BUILTIN_PLANS[args.plan](src, cli_rules)
     base = load_rules(args.plan) if args.plan else Rules()
-    return compile_plan(_open(src), base + cli_rules, copy_files=not args.no_copy_files)
+    return compile_plan(_open(src, key=args.key), base + cli_rules, copy_files=not args.no_copy_files)
 
 
 def _print_plan(plan) -> None:
@@ -112,10 +119,10 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
             _print_plan(plan)
         return 0
     if args.output is None:
-        raise StreamckError("rewrite needs -o OUT (or --dry-run)")
+        raise UsageError("rewrite needs -o OUT (or --dry-run)")
     if args.output == "-" and args.json:
-        raise StreamckError("-o - puts the checkpoint on stdout; --json cannot go there too")
-    result = rewrite(
+        raise UsageError("-o - puts the checkpoint on stdout; --json cannot go there too")
+    result = write_plan(
         plan,
         args.output,
         max_shard_size=parse_size(args.max_shard_size) if args.max_shard_size else None,
@@ -144,24 +151,41 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from streamck.check import diff
 
-    result = diff(args.a, args.b, ignore=tuple(args.ignore or ()), data=args.data)
+    result = diff(_side(args.a, args.key), _side(args.b, args.key), ignore=tuple(args.ignore or ()), data=args.data)
+    args.status = 0 if result.equal else 1  # the answer, even if stdout closes (diff A B | head)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
     else:
         print(result)
-    return 0 if result.equal else 1
+    return args.status
+
+
+def _side(path: str, key: str | None) -> Side:
+    """One side of ``diff``: a manifest JSON as it is, a checkpoint opened with ``key``."""
+    from streamck.check.diff import Side, load_side
+
+    if key is None or path.endswith(".json"):
+        side = load_side(path)
+        for line in side.checkpoint.notices if side.checkpoint else ():
+            print(f"streamck: note: {line}", file=sys.stderr)
+        return side
+    ckpt = _open(path, key=key)
+    return Side(path, manifest.checkpoint_manifest(ckpt), ckpt)
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
     from streamck.check.digest import hash_manifest
 
-    m = hash_manifest(_open(args.src))
+    m = hash_manifest(_open(args.src, key=args.key))
     text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())
     if args.output:
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+KEY_HELP = "in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,12 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("src", help="a .safetensors file or a checkpoint directory")
     ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
     ls.add_argument("--step", help="in a training run root: checkpoint-<N>, or latest")
+    ls.add_argument("--key", help=KEY_HELP)
     ls.set_defaults(func=_cmd_ls)
 
     rw = sub.add_parser("rewrite", help="rename, filter and cast into a new checkpoint, streaming")
     rw.add_argument("src", help="a .safetensors file or a checkpoint directory")
     rw.add_argument("-o", "--output", help="OUT.safetensors (one file), a directory, or - for stdout")
     rw.add_argument("--step", help="in a training run root: checkpoint-<N>, or latest")
+    rw.add_argument("--key", help=KEY_HELP)
     rules = rw.add_argument_group("rules, applied in the order given")
     rules.add_argument("--strip-prefix", dest="strip_prefix", metavar="P", action=_AddRule)
     rules.add_argument("--add-prefix", dest="add_prefix", metavar="P", action=_AddRule)
@@ -223,22 +249,29 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
     df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
     df.add_argument("--json", action="store_true", help="print the result as JSON")
+    df.add_argument("--key", help=KEY_HELP)
     df.set_defaults(func=_cmd_diff)
 
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")
     hs.add_argument("src", help="a .safetensors file or a checkpoint directory")
     hs.add_argument("--json", action="store_true", help="print a hash manifest (diff accepts it)")
     hs.add_argument("-o", "--output", help="write to this file instead of stdout")
+    hs.add_argument("--key", help=KEY_HELP)
     hs.set_defaults(func=_cmd_hash)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from streamck.writer.atomic import Interrupted
+    from streamck.writer.atomic import Interrupted, signals_as_exceptions
 
+    args = None
     try:
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        # The CLI owns the process: SIGTERM/SIGHUP unwind like Ctrl-C, so outputs are cleaned up.
+        with signals_as_exceptions():
+            code = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here rather than in the flush at exit
+        return code
     except StreamckError as e:
         print(f"streamck: error: {e}", file=sys.stderr)
         return 2
@@ -249,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamck: stopped by {e}", file=sys.stderr)
         return e.code
     except BrokenPipeError:
-        # stdout went away: fine for a listing cut short (ls | head), not for a checkpoint.
+        # stdout went away: fine for a listing cut short (ls | head), and diff's answer stands;
+        # a checkpoint on stdout (rewrite -o -) is incomplete.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # silence the flush at exit
-        if (argv or sys.argv[1:])[:1] == ["rewrite"]:
+        if args is not None and args.func is _cmd_rewrite and args.output == "-" and not args.dry_run:
             print("streamck: error: stdout closed before the whole checkpoint was written", file=sys.stderr)
             return 2
-        return 0
+        return getattr(args, "status", 0)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         print(f"streamck: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -38,7 +38,8 @@ class Checkpoint:
 
     ``root`` is the directory that holds the checkpoint (the file's directory for a
     single file); ``files`` maps each shard to the stamp taken when it was indexed;
-    ``notices`` are lines a user should see (items skipped as not tensors);
+    ``notices`` are lines a user should see (items skipped as not tensors, the sub-dict
+    of a torch pickle read): the library never prints them;
     ``side_root`` holds the config and tokenizer files (``root`` when None).
     """
 
@@ -95,7 +96,7 @@ def _map_error(
     raise AssertionError("weight_map and shards agree")
 
 
-def open_checkpoint(path: str | os.PathLike, step: str | int | None = None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, step: str | int | None = None, key: str | None = None) -> Checkpoint:
     """Index the checkpoint at ``path`` from its headers, without reading tensor data.
 
     ``path`` may be one ``.safetensors`` file or torch zip (``.bin``/``.pt``), a
@@ -103,6 +104,8 @@ def open_checkpoint(path: str | os.PathLike, step: str | int | None = None) -> C
     and its shards, a directory of ``*.safetensors`` or ``pytorch_model*.bin`` shards,
     a step directory whose weights are in ``model/consolidated``, or, with ``step``
     (a number or ``"latest"``), a run root of ``checkpoint-<step>`` folders.
+    In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
+    ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip).
     Raises CheckpointError for anything malformed.
     """
     path = Path(path)
@@ -110,7 +113,7 @@ def open_checkpoint(path: str | os.PathLike, step: str | int | None = None) -> C
         path = pick_step(path, step)
     with _gc_paused():
         try:
-            return _index(path)
+            return _index(path, key)
         except OSError as e:  # stat or open of a path we may not enter or read
             raise CheckpointError(f"cannot read: {e.strerror}", e.filename or path) from None
 
@@ -128,14 +131,18 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _read_shard(path: Path) -> Header:
-    if path.suffix == ".safetensors":
-        return read_header(path)
+def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
+    """One shard's tensors; ``select`` is open_checkpoint's ``key``."""
     if path.suffix in TORCH_SUFFIXES:
-        return read_torch_zip(path)
-    with open(path, "rb") as f:  # any other name: the first bytes decide
-        zipped = f.read(4) == b"PK\x03\x04"
-    return read_torch_zip(path) if zipped else read_header(path)
+        return read_torch_zip(path, select, notices)
+    if path.suffix != ".safetensors":
+        with open(path, "rb") as f:  # any other name: the first bytes decide
+            if f.read(4) == b"PK\x03\x04":
+                return read_torch_zip(path, select, notices)
+    ignored = f"key {select!r} ignored: safetensors files hold no nested dicts"
+    if select is not None and ignored not in notices:
+        notices.append(ignored)
+    return read_header(path)
 
 
 def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
@@ -187,16 +194,17 @@ def _cross_check(side_root: Path, tensors: dict[str, TensorRef]) -> None:
         raise CheckpointError(f"does not name {len(extra)} tensors the shards hold: {listing(extra, 5)}", mapping)
 
 
-def _index(path: Path) -> Checkpoint:
+def _index(path: Path, select: str | None = None) -> Checkpoint:
     layout = find_layout(path)
     if layout.kind != "files":
         return _index_distributed(path, layout)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
+    notices: list[str] = []
     for shard in layout.shards:
         files[shard] = FileStamp.of(shard)  # before reading: a change while we read shows too
-        header = _read_shard(shard)
+        header = _read_shard(shard, select, notices)
         for key, value in header.metadata.items():
             metadata.setdefault(key, value)
         names = [ref.name for ref in header.tensors]
@@ -210,4 +218,4 @@ def _index(path: Path) -> Checkpoint:
     # ...and the map names nothing else: then it is exact.
     if layout.weight_map is not None and len(layout.weight_map) != len(tensors):
         raise _map_error(layout, tensors)
-    return Checkpoint(path, layout.root, tensors, metadata, files, side_root=layout.side_root)
+    return Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)

@@ -4,7 +4,9 @@
 are the tensor and parameter rebuilders, storage and dtype markers, and
 OrderedDict; anything else (``os.system``…) is refused before it could run.
 Tensors become references into the archive's stored (uncompressed) storage
-records; views keep their offset and strides.
+records; views keep their offset and strides. Nested dicts and lists are read
+with dotted names, as torch.distributed.checkpoint flattens them; no tensor is
+left out without a notice saying so.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import zipfile
 from pathlib import Path
 
 from streamck.dtypes import BITS
-from streamck.errors import CheckpointError
+from streamck.errors import CheckpointError, listing
 from streamck.source.header import Header, TensorRef
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
+MAX_DEPTH = 100  # dicts and lists nested deeper are hostile (or cyclic), not a state dict
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 # Typed storage classes (torch < 2.x style, still written for classic dtypes) and dtypes.
@@ -137,11 +140,18 @@ def _data_offset(f, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def read_torch_zip(path: Path) -> Header:
+def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None = None) -> Header:
     """Index the tensors of a ``torch.save`` zip archive at ``path`` from its pickle alone.
 
+    Tensors in nested dicts, lists and tuples get dotted names (``sub.x``, ``lst.0``).
+    ``key`` reads only the dict under that top-level key; without it, when no tensor sits
+    at the top and exactly one top-level dict holds tensors (Lightning's ``state_dict``),
+    that one is read. Lines for the user go to ``notices``: the key so chosen, and the
+    entries left out because they are not tensors.
+
     Raises CheckpointError for a legacy (non-zip) file, a pickle that names anything
-    but tensors, compressed or missing storage records, and views outside their storage.
+    but tensors, compressed or missing storage records, views outside their storage,
+    a missing ``key``, and two entries whose dotted names are the same.
     """
     try:
         with open(path, "rb") as f:
@@ -169,23 +179,66 @@ def read_torch_zip(path: Path) -> Header:
             if not isinstance(obj, dict):
                 raise CheckpointError(f"data.pkl holds a {type(obj).__name__}, not a state dict", path)
             starts = {}
-            for key in unpickler.storages:
-                info = records.get(f"{prefix}data/{key}")
+            for record in unpickler.storages:
+                info = records.get(f"{prefix}data/{record}")
                 if info is None:
-                    raise CheckpointError(f"storage record data/{key} is missing", path)
+                    raise CheckpointError(f"storage record data/{record} is missing", path)
                 if info.compress_type != zipfile.ZIP_STORED:
-                    raise CheckpointError(f"storage record data/{key} is compressed; streamck reads stored ones", path)
-                starts[key] = (_data_offset(f, info), info.file_size)
+                    raise CheckpointError(
+                        f"storage record data/{record} is compressed; streamck reads stored ones", path
+                    )
+                starts[record] = (_data_offset(f, info), info.file_size)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None
-    tensors = []
-    for name, value in obj.items():
-        if not isinstance(value, _Lazy):
-            continue  # step counters and other non-tensor entries are not weights
-        if not isinstance(name, str):
-            raise CheckpointError(f"state dict key {name!r} is not a string", path)
-        tensors.append(_ref(name, value, starts[value.storage.key], path))
+    notices = [] if notices is None else notices
+    leaves = _flatten(_select(obj, key, path, notices), path)
+    tensors = [_ref(n, v, starts[v.storage.key], path) for n, v in leaves.items() if isinstance(v, _Lazy)]
+    skipped = [n for n, v in leaves.items() if not isinstance(v, _Lazy)]  # step counters, hyperparameters
+    if skipped:
+        notices.append(f"{path.name}: skipped entries that are not tensors ({len(skipped)}): {listing(skipped)}")
     return Header(tensors, {}, 0)
+
+
+def _flatten(obj: dict | list | tuple, path: Path, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict:
+    """Every leaf under ``obj`` by its keys and indices joined with dots, as
+    torch.distributed.checkpoint's flatten_state_dict names them."""
+    out = {} if out is None else out
+    if depth > MAX_DEPTH:
+        raise CheckpointError(f"containers nested more than {MAX_DEPTH} deep under {prefix[:80]!r}", path)
+    for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
+        if type(k) not in (str, int):
+            raise CheckpointError(f"state dict key {k!r:.60} is not a string or an integer", path)
+        name = f"{prefix}{k}"
+        if isinstance(v, dict | list | tuple):
+            _flatten(v, path, name + ".", out, depth + 1)
+        elif name in out:
+            raise CheckpointError(f"two entries are named {name!r} once nested keys are joined with dots", path)
+        else:
+            out[name] = v
+    return out
+
+
+def _select(obj: dict, key: str | None, path: Path, notices: list[str]) -> dict:
+    """The dict whose tensors are read: ``obj[key]``; the only top-level dict holding tensors
+    when none sits at the top (said in ``notices``, with what is left out); else ``obj``."""
+    if key is not None:
+        if not isinstance(obj.get(key), dict):
+            dicts = [repr(k) for k, v in obj.items() if isinstance(v, dict)]
+            raise CheckpointError(f"no dict under key {key!r}; top-level dicts: {listing(dicts) or 'none'}", path)
+        return obj[key]
+    holders = [k for k, v in obj.items() if isinstance(v, dict) and _has_tensor(v, path)]
+    if len(holders) != 1 or any(isinstance(v, _Lazy) for v in obj.values()):
+        return obj
+    rest = {k: v for k, v in obj.items() if k != holders[0]}
+    dropped = sum(isinstance(v, _Lazy) for v in _flatten(rest, path).values())
+    left = f"; left out: {listing([str(k) for k in rest])}" if rest else ""
+    left += f" (tensors there: {dropped})" if dropped else ""
+    notices.append(f"{path.name}: read the tensors under {holders[0]!r}, the only dict holding any (see --key){left}")
+    return obj[holders[0]]
+
+
+def _has_tensor(obj: dict, path: Path) -> bool:
+    return any(isinstance(v, _Lazy) for v in _flatten(obj, path).values())
 
 
 def _ref(name: str, t: _Lazy, where: tuple[int, int], path: Path) -> TensorRef:

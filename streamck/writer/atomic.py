@@ -1,25 +1,38 @@
 """An output that appears under its final name complete, or not at all.
 
 Everything is written under a temporary name beside the target, fsynced, then
-renamed into place. Temporary names carry the writer's pid, so a later run can
-tell a dead writer's leftovers from a live one's and remove only the former.
+renamed into place. Each run holds an advisory lock (``flock``) for its whole
+life on a lock file: inside its temporary directory, or, for a single-file
+target, beside its temporary file under the same unique tag. A later run
+removes a temporary only when it can take that lock itself, which is true only
+once its owner has ended, whatever pid namespace or host (on a filesystem that
+shares flock locks) the owner ran in. A temporary without a lock file (left by
+a streamck from before these locks, or caught in the moment between its lock's
+removal and its rename) is left alone unless untouched for ``STALE_AGE``.
 """
 
 from __future__ import annotations
 
+import fcntl
+import fnmatch
 import os
 import re
 import shutil
 import signal
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from streamck.errors import OutputError
+from streamck.errors import OutputError, listing
 
 TMP_TAG = ".streamck-tmp-"
-_TMP_RE = re.compile(r"^\..*\.streamck-(?:tmp|old)-(\d+)-[0-9a-f]{8}$")
+LOCK_NAME = ".streamck-lock"  # inside a temporary directory
+STALE_AGE = 24 * 3600  # seconds untouched before a temporary without a lock file counts as dead
+_TMP_RE = re.compile(r"^(\..*\.streamck-)(tmp|lock)(-\d+-[0-9a-f]{8})$")
+# What an earlier export left that --force may remove (as save_pretrained removes stale shards).
+STALE_WEIGHTS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
 
 
 class Interrupted(BaseException):
@@ -33,7 +46,8 @@ class Interrupted(BaseException):
 @contextmanager
 def signals_as_exceptions() -> Iterator[None]:
     """Turn SIGTERM and SIGHUP into Interrupted (SIGINT already raises KeyboardInterrupt),
-    so that cleanup runs on the way out."""
+    so that cleanup runs on the way out. For the process's owner (the CLI's main
+    thread): the library never installs handlers."""
 
     def handler(signum, frame):
         raise Interrupted(signum)
@@ -46,18 +60,31 @@ def signals_as_exceptions() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _alive(pid: int) -> bool:
+def _try_lock(lock: Path) -> int | None:
+    """A descriptor holding ``lock`` exclusively; None if another process holds it or it cannot be opened."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)  # NFS emulates flock with fcntl locks: LOCK_EX needs write
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _untouched(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.lstat().st_mtime > seconds
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale(directory: Path) -> list[Path]:
-    """Remove temporary outputs left in ``directory`` by streamck runs that are no longer alive."""
+    """Remove the temporary outputs in ``directory`` whose runs have ended: those whose lock
+    this process can take (removed while holding it, so their owner can tell), and those
+    without a lock file untouched for ``STALE_AGE``. Anything in doubt is left."""
     removed = []
     try:
         entries = list(directory.iterdir())
@@ -65,9 +92,22 @@ def remove_stale(directory: Path) -> list[Path]:
         return removed
     for entry in entries:
         m = _TMP_RE.match(entry.name)
-        if m and not _alive(int(m.group(1))):
-            _remove(entry)
-            removed.append(entry)
+        if m is None:
+            continue
+        tmp, sibling = (directory / f"{m[1]}{kind}{m[3]}" for kind in ("tmp", "lock"))
+        if entry == sibling and os.path.lexists(tmp):
+            continue  # judged with its temporary
+        lock = tmp / LOCK_NAME if tmp.is_dir() and not tmp.is_symlink() else sibling
+        fd = _try_lock(lock)
+        if fd is None and (os.path.lexists(lock) or not _untouched(entry, STALE_AGE)):
+            continue  # alive, not ours to judge, or too young to call dead without a lock
+        try:
+            _remove(tmp)
+            _remove(sibling)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        removed.append(entry)
     return removed
 
 
@@ -78,8 +118,29 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _sibling(final: Path, kind: str) -> Path:
-    return final.with_name(f".{final.name}.streamck-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+def _new_temp(final: Path, is_dir: bool) -> tuple[Path, Path, int]:
+    """A new temporary beside ``final``, its lock file, and a descriptor holding the lock.
+
+    A cleaner may lock a lock file between its creation and our flock; it then removes
+    it before letting go, so the lock is ours only if the file is still there: else retry."""
+    for _ in range(3):
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = final.with_name(f".{final.name}{TMP_TAG}{tag}")
+        lock = tmp / LOCK_NAME if is_dir else final.with_name(f".{final.name}.streamck-lock-{tag}")
+        if is_dir:
+            tmp.mkdir()
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner that got there first removes it
+        try:
+            kept = os.path.samestat(os.stat(lock), os.fstat(fd))
+        except FileNotFoundError:
+            kept = False
+        if kept:
+            if not is_dir:  # created after the lock, so it is never there unguarded
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            return tmp, lock, fd
+        os.close(fd)
+    raise OutputError("temporary output removed by other runs as soon as it was made", final.parent)
 
 
 def fsync_dir(path: Path) -> None:
@@ -90,9 +151,39 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool) -> None:
+def _is_weights(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in STALE_WEIGHTS)
+
+
+def _foreign(directory: Path, writes: Iterable[str]) -> list[str]:
+    """What ``directory`` holds that --force may not replace: anything but files (or links)
+    that this output writes or that are weights and indexes of an earlier export."""
+    ours = set(writes)
+    return sorted(
+        p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+        for p in directory.iterdir()
+        if not ((p.is_symlink() or p.is_file()) and (p.name in ours or _is_weights(p.name)))
+    )
+
+
+def _refuse_foreign(final: Path, writes: Iterable[str]) -> None:
+    foreign = _foreign(final, writes)
+    if foreign:
+        raise OutputError(
+            f"holds files that are not part of an earlier export: {listing(foreign)}; "
+            "--force replaces only weights and the files this output writes (move them or pick another directory)",
+            final,
+        )
+
+
+def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool, writes: Iterable[str] = ()) -> None:
     """Refuse a target that is, links to, or would contain a source file, or that exists
-    (unless ``force``, or it is an empty directory and a directory is to be written)."""
+    (unless ``force``, or it is an empty directory and a directory is to be written).
+
+    ``force`` replaces a file target, or, for a directory, only what a directory output
+    consists of: ``*.safetensors`` and ``pytorch_model*.bin`` weights and their indexes,
+    and the files in ``writes`` (the output's own and side files). Anything else there
+    (notes, other models) is refused by name, force or not."""
     resolved = final.resolve()
     exists = final.exists()
     target = os.stat(final) if exists else None
@@ -102,43 +193,59 @@ def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool
             raise OutputError("refusing to write over the source checkpoint", final)
         if target is not None and os.path.samestat(target, os.stat(src)):
             raise OutputError(f"refusing to write over the source checkpoint (same file as {src})", final)
-    if final.is_symlink() or exists:
-        if is_dir and final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
+    if not (final.is_symlink() or exists):
+        return
+    real_dir = final.is_dir() and not final.is_symlink()
+    if not is_dir and real_dir:
+        raise OutputError("is a directory; a .safetensors output is one file", final)
+    if is_dir and not real_dir:
+        raise OutputError("is not a directory (a file or a link); a directory output replaces only a directory", final)
+    if is_dir:
+        if not any(final.iterdir()):
             return
-        if not force:
-            raise OutputError("already exists; pass --force to replace it", final)
+        _refuse_foreign(final, writes)
+    if not force:
+        raise OutputError("already exists; pass --force to replace it", final)
 
 
 @contextmanager
 def atomic_output(final: Path, is_dir: bool, force: bool) -> Iterator[Path]:
     """Yield a temporary path (a new directory if ``is_dir``) beside ``final``; on a clean
-    exit move it into place, on any exception or signal remove it."""
+    exit move it into place, on any exception or signal remove it. A failure of the move
+    or its fsync is an OutputError naming ``final``."""
     parent = final.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create output directory: {e.strerror}", parent) from None
     remove_stale(parent)
-    tmp = _sibling(final, "tmp")
     try:
-        if is_dir:
-            tmp.mkdir()
-        else:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        tmp, lock, fd = _new_temp(final, is_dir)
     except OSError as e:
         raise OutputError(f"cannot write here: {e.strerror}", parent) from None
     try:
         yield tmp
-        _commit(tmp, final, is_dir, force)
-        fsync_dir(parent)
+        try:
+            if is_dir:
+                lock.unlink()  # not part of the output; held (by descriptor) until the end
+            _commit(tmp, final, is_dir, force)
+            fsync_dir(parent)
+        except OSError as e:
+            raise OutputError(f"cannot move the finished output into place: {e.strerror or e}", final) from None
     except BaseException:
         _remove(tmp)
         raise
+    finally:
+        if not is_dir:
+            lock.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def _commit(tmp: Path, final: Path, is_dir: bool, force: bool) -> None:
     if not is_dir:
         if force:
+            if final.is_dir() and not final.is_symlink():
+                raise OutputError("became a directory while writing; a .safetensors output is one file", final)
             os.replace(tmp, final)
             return
         try:
@@ -153,7 +260,29 @@ def _commit(tmp: Path, final: Path, is_dir: bool, force: bool) -> None:
     except OSError:
         if not force or not (final.exists() or final.is_symlink()):
             raise OutputError("appeared while writing (another run?); pass --force to replace it", final) from None
-    old = _sibling(final, "old")
-    os.rename(final, old)
-    os.rename(tmp, final)
-    _remove(old)
+    _merge(tmp, final)
+
+
+def _merge(tmp: Path, final: Path) -> None:
+    """Replace an earlier export in the existing directory ``final`` with the files in ``tmp``.
+
+    The directory itself is never removed or swapped, so nothing else in it can go with
+    it (it is checked again here, as it may have changed since the run began): each new
+    file is renamed over its namesake, then the old weights this output does not have
+    are removed. A reader in between sees the new files beside stale shards; a crash in
+    between loses no new file."""
+    if not final.is_dir() or final.is_symlink():
+        raise OutputError("appeared while writing and is not a directory", final)
+    new = [p.name for p in tmp.iterdir()]
+    _refuse_foreign(final, new)
+    for name in new:
+        os.replace(tmp / name, final / name)
+    for stale in _stale(final, new):
+        stale.unlink(missing_ok=True)
+    fsync_dir(final)
+    tmp.rmdir()
+
+
+def _stale(final: Path, new: list[str]) -> list[Path]:
+    """The weights and indexes in ``final`` that the new output does not have."""
+    return [p for p in final.iterdir() if p.name not in new and _is_weights(p.name)]

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamck.errors import OutputError, StreamckError
+from streamck.errors import OutputError, UsageError
 from streamck.plan import Plan
 from streamck.source.reader import CHUNK
-from streamck.writer.atomic import atomic_output, check_target, signals_as_exceptions
+from streamck.writer.atomic import atomic_output, check_target
 from streamck.writer.layout import INDEX_NAME, Shard, index_bytes, plan_shards
 from streamck.writer.shardwriter import Progress, ShardWriter, Syncer
 from streamck.writer.verify import verify_shard
@@ -28,36 +29,27 @@ class WriteResult:
     overflow: dict[str, int] = field(default_factory=dict)
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
+
+
 def parse_size(text: str) -> int:
-    """``5GB`` → 5·10⁹, ``500MiB`` → 500·2²⁰, ``1024`` → 1024 bytes."""
-    units = {
-        "": 1,
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
-    t = text.strip().upper()
-    number = t.rstrip("KMGTIB")
-    try:
-        value = float(number) * units[t[len(number) :]]
-    except (ValueError, KeyError):
-        raise StreamckError(f"cannot read size {text!r} (examples: 5GB, 500MiB, 1048576)") from None
+    """``5GB`` (or ``5G``, ``5gb``) → 5·10⁹, ``500MiB`` → 500·2²⁰, ``1024`` → 1024 bytes."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None or (m.group(3) and not m.group(2)):
+        raise UsageError(f"cannot read size {text!r} (examples: 5GB, 500MiB, 1048576)")
+    number, prefix, binary = m.group(1), m.group(2).upper(), bool(m.group(3))
+    power = "KMGT".index(prefix) + 1 if prefix else 0
+    value = int(float(number) * ((1024 if binary else 1000) ** power))
     if value < 1:
-        raise StreamckError(f"size {text!r} must be at least one byte")
-    return int(value)
+        raise UsageError(f"size {text!r} must be at least one byte")
+    return value
 
 
 def is_file_target(out: Path) -> bool:
     return out.name.endswith(".safetensors")
 
 
-def rewrite(
+def write_plan(
     plan: Plan,
     out: str | os.PathLike,
     *,
@@ -82,7 +74,7 @@ def rewrite(
     nothing is left there. Raises StreamckError (OutputError for refused targets).
     """
     if header_align < 8 or header_align % 8:
-        raise StreamckError(f"--header-align {header_align}: must be a positive multiple of 8")
+        raise UsageError(f"--header-align {header_align}: must be a positive multiple of 8")
     if os.fspath(out) == "-":
         return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
     out = Path(out)
@@ -94,7 +86,7 @@ def rewrite(
     if single and plan.files:
         raise OutputError(f"this plan also writes {', '.join(plan.files)}; give a directory output", out)
     sources = list(plan.source.files) if plan.source else []
-    check_target(out, sources, is_dir=not single, force=force)
+    check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
     shards = plan_shards(plan, out.name if single else "model.safetensors", max_shard_size, header_align)
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache, bar)
@@ -102,7 +94,6 @@ def rewrite(
         writer.get_caster()  # a missing CUDA device is an error before any file exists
     syncer = Syncer(drop_cache)
     with ExitStack() as stack:
-        stack.enter_context(signals_as_exceptions())
         stack.callback(bar.close)
         stack.callback(writer.close)
         stack.callback(syncer.close)
@@ -168,8 +159,7 @@ def _to_stdout(
     if any(t.is_cast for t in plan.tensors):
         writer.get_caster()
     try:
-        with signals_as_exceptions():
-            writer.write(shard, fd)
+        writer.write(shard, fd)
     finally:
         writer.close()
         bar.close()
