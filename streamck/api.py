@@ -24,8 +24,10 @@ from streamck.writer import WriteResult, write_plan
 Source = str | os.PathLike | Checkpoint
 
 
-def _checkpoint(source: Source, step: str | int | None = None) -> Checkpoint:
-    return source if isinstance(source, Checkpoint) else open_checkpoint(source, step)
+def _checkpoint(
+    source: Source, step: str | int | None = None, key: str | None = None, zero: bool = False
+) -> Checkpoint:
+    return source if isinstance(source, Checkpoint) else open_checkpoint(source, step, key, zero)
 
 
 def build_plan(
@@ -36,6 +38,8 @@ def build_plan(
     dtype: str | None = None,
     casts: Mapping[str, str] | None = None,
     step: str | int | None = None,
+    key: str | None = None,
+    zero: bool = False,
     copy_files: bool = True,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
@@ -53,7 +57,7 @@ def build_plan(
         path = pick_step(Path(source), step) if step is not None else source
         return BUILTIN_PLANS[os.fspath(plan)](path, given)
     base = load_rules(plan) if plan is not None else Rules()
-    return compile_plan(_checkpoint(source, step), base + given, copy_files=copy_files)
+    return compile_plan(_checkpoint(source, step, key, zero), base + given, copy_files=copy_files)
 
 
 def rewrite(
@@ -65,8 +69,11 @@ def rewrite(
     dtype: str | None = None,
     casts: Mapping[str, str] | None = None,
     step: str | int | None = None,
+    key: str | None = None,
+    zero: bool = False,
     copy_files: bool = True,
     max_shard_size: int | str | None = None,
+    format: str | None = None,
     header_align: int = 8,
     force: bool = False,
     verify: bool = False,
@@ -79,7 +86,9 @@ def rewrite(
     order) or Rule objects; ``plan`` is a built-in plan name (``"eagle4"``) or a TOML
     plan file whose rules run first; ``dtype`` casts every float tensor and ``casts``
     maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
-    size like ``"5GB"``. Memory stays near one chunk whatever the checkpoint.
+    size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
+    ``.pth`` output name does too); ``key``/``zero`` choose what a torch pickle or a
+    DeepSpeed checkpoint is read as (see open_checkpoint). Memory stays near one chunk.
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -91,7 +100,9 @@ def rewrite(
     """
     from streamck.writer import parse_size
 
-    compiled = build_plan(source, rules=rules, plan=plan, dtype=dtype, casts=casts, step=step, copy_files=copy_files)
+    compiled = build_plan(
+        source, rules=rules, plan=plan, dtype=dtype, casts=casts, step=step, key=key, zero=zero, copy_files=copy_files
+    )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(
         compiled,
@@ -102,10 +113,11 @@ def rewrite(
         verify=verify,
         device=device,
         drop_cache=drop_cache,
+        format=format,
     )
 
 
-def ls(source: Source, *, step: str | int | None = None) -> dict[str, Any]:
+def ls(source: Source, *, step: str | int | None = None, key: str | None = None, zero: bool = False) -> dict[str, Any]:
     """The manifest of ``source`` (``streamck ls --json``): every tensor's dtype and shape,
     the metadata and the total size, from headers alone.
 
@@ -117,12 +129,10 @@ def ls(source: Source, *, step: str | int | None = None) -> dict[str, Any]:
     """
     from streamck.manifest import checkpoint_manifest
 
-    return checkpoint_manifest(_checkpoint(source, step))
+    return checkpoint_manifest(_checkpoint(source, step, key, zero))
 
 
-def diff(
-    a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = (), data: bool = False
-) -> DiffResult:
+def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = (), data: bool = False) -> DiffResult:
     """Compare two checkpoints or manifests (``streamck diff``); ``bool(result)`` is True
     when they differ and ``str(result)`` is the report.
 
@@ -138,7 +148,9 @@ def diff(
     return _diff(a, b, ignore=tuple(ignore), data=data)
 
 
-def hash(source: Source, *, step: str | int | None = None) -> dict[str, Any]:
+def hash(
+    source: Source, *, step: str | int | None = None, key: str | None = None, zero: bool = False
+) -> dict[str, Any]:
     """The manifest of ``source`` with the sha256 of every tensor's bytes (``streamck hash
     --json``), read in bounded pieces.
 
@@ -150,7 +162,7 @@ def hash(source: Source, *, step: str | int | None = None) -> dict[str, Any]:
     """
     from streamck.check.digest import hash_manifest
 
-    return hash_manifest(_checkpoint(source, step))
+    return hash_manifest(_checkpoint(source, step, key, zero))
 
 
 def export_eagle4_draft(

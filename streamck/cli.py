@@ -54,12 +54,16 @@ def _device(text: str) -> str:
     return text
 
 
-def _open(src: str | os.PathLike, step: str | None = None, key: str | None = None) -> Checkpoint:
-    """open_checkpoint, with its notices (items skipped as not tensors, a key chosen) on stderr."""
-    ckpt = open_checkpoint(src, step, key)
+def _note(ckpt: Checkpoint) -> Checkpoint:
+    """Print a checkpoint's notices (items skipped as not tensors, a key or source chosen)."""
     for line in ckpt.notices:
         print(f"streamck: note: {line}", file=sys.stderr)
     return ckpt
+
+
+def _open(args: argparse.Namespace, src: str | os.PathLike | None = None) -> Checkpoint:
+    """The command's source, opened with its --step, --key and --zero."""
+    return _note(open_checkpoint(args.src if src is None else src, getattr(args, "step", None), args.key, args.zero))
 
 
 def _files(t, root: Path) -> str:
@@ -68,7 +72,7 @@ def _files(t, root: Path) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    ckpt = _open(args.src, args.step, args.key)
+    ckpt = _open(args)
     if args.json:
         sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
         return 0
@@ -90,11 +94,12 @@ def _compile(args: argparse.Namespace):
     cli_rules = Rules(tuple(args.rules or ()), args.dtype)
     src = pick_step(Path(args.src), args.step) if args.step is not None else args.src
     if args.plan in BUILTIN_PLANS:
-        if args.key is not None:
-            raise UsageError(f"--key does not apply to --plan {args.plan}, which reads safetensors")
+        if args.key is not None or args.zero:
+            raise UsageError(f"--key and --zero do not apply to --plan {args.plan}, which reads safetensors")
         return BUILTIN_PLANS[args.plan](src, cli_rules)
     base = load_rules(args.plan) if args.plan else Rules()
-    return compile_plan(_open(src, key=args.key), base + cli_rules, copy_files=not args.no_copy_files)
+    ckpt = _note(open_checkpoint(src, None, args.key, args.zero))
+    return compile_plan(ckpt, base + cli_rules, copy_files=not args.no_copy_files)
 
 
 def _print_plan(plan) -> None:
@@ -132,6 +137,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         device=args.device,
         verify=args.verify,
         progress=not args.quiet and sys.stderr.isatty(),
+        format=args.format,
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
@@ -151,7 +157,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from streamck.check import diff
 
-    result = diff(_side(args.a, args.key), _side(args.b, args.key), ignore=tuple(args.ignore or ()), data=args.data)
+    result = diff(_side(args.a, args), _side(args.b, args), ignore=tuple(args.ignore or ()), data=args.data)
     args.status = 0 if result.equal else 1  # the answer, even if stdout closes (diff A B | head)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
@@ -160,23 +166,20 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return args.status
 
 
-def _side(path: str, key: str | None) -> Side:
-    """One side of ``diff``: a manifest JSON as it is, a checkpoint opened with ``key``."""
-    from streamck.check.diff import Side, load_side
+def _side(path: str, args: argparse.Namespace) -> Side:
+    """One side of ``diff``, its notices on stderr."""
+    from streamck.check.diff import load_side
 
-    if key is None or path.endswith(".json"):
-        side = load_side(path)
-        for line in side.checkpoint.notices if side.checkpoint else ():
-            print(f"streamck: note: {line}", file=sys.stderr)
-        return side
-    ckpt = _open(path, key=key)
-    return Side(path, manifest.checkpoint_manifest(ckpt), ckpt)
+    side = load_side(path, key=args.key, zero=args.zero)
+    if side.checkpoint is not None:
+        _note(side.checkpoint)
+    return side
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
     from streamck.check.digest import hash_manifest
 
-    m = hash_manifest(_open(args.src, key=args.key))
+    m = hash_manifest(_open(args))
     text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())
     if args.output:
         Path(args.output).write_text(text)
@@ -185,7 +188,13 @@ def _cmd_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-KEY_HELP = "in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict)"
+def _source_options(parser: argparse.ArgumentParser, step: bool = True) -> None:
+    if step:
+        parser.add_argument("--step", help="in a training run root: a step number, or latest")
+    parser.add_argument("--key", help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict)")
+    parser.add_argument(
+        "--zero", action="store_true", help="read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,15 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
     ls.add_argument("src", help="a .safetensors file or a checkpoint directory")
     ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    ls.add_argument("--step", help="in a training run root: checkpoint-<N>, or latest")
-    ls.add_argument("--key", help=KEY_HELP)
+    _source_options(ls)
     ls.set_defaults(func=_cmd_ls)
 
     rw = sub.add_parser("rewrite", help="rename, filter and cast into a new checkpoint, streaming")
     rw.add_argument("src", help="a .safetensors file or a checkpoint directory")
     rw.add_argument("-o", "--output", help="OUT.safetensors (one file), a directory, or - for stdout")
-    rw.add_argument("--step", help="in a training run root: checkpoint-<N>, or latest")
-    rw.add_argument("--key", help=KEY_HELP)
+    _source_options(rw)
     rules = rw.add_argument_group("rules, applied in the order given")
     rules.add_argument("--strip-prefix", dest="strip_prefix", metavar="P", action=_AddRule)
     rules.add_argument("--add-prefix", dest="add_prefix", metavar="P", action=_AddRule)
@@ -232,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"
     )
     rw.add_argument("--max-shard-size", metavar="SIZE", help="split into shards (5GB, 500MiB)")
+    rw.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        help="a directory output's files: model*.safetensors (default) or torch.save pytorch_model*.bin; "
+        "a file output's name decides (.safetensors, or .bin/.pt/.pth)",
+    )
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
     rw.add_argument(
@@ -249,14 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
     df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
     df.add_argument("--json", action="store_true", help="print the result as JSON")
-    df.add_argument("--key", help=KEY_HELP)
+    _source_options(df, step=False)
     df.set_defaults(func=_cmd_diff)
 
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")
     hs.add_argument("src", help="a .safetensors file or a checkpoint directory")
     hs.add_argument("--json", action="store_true", help="print a hash manifest (diff accepts it)")
     hs.add_argument("-o", "--output", help="write to this file instead of stdout")
-    hs.add_argument("--key", help=KEY_HELP)
+    _source_options(hs)
     hs.set_defaults(func=_cmd_hash)
     return parser
 

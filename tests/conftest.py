@@ -12,3 +12,14 @@ def dcp_ckpts(tmp_path_factory):
     from dcp_fixtures import make_dcp_checkpoints
 
     return make_dcp_checkpoints(tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.fixture(scope="session")
+def zero_cases(request, tmp_path_factory) -> dict[str, dict]:
+    """Real DeepSpeed ZeRO-1/2/3 checkpoints with zero_to_fp32's output beside each, made
+    once (tests/zero_fixtures.py) and kept in pytest's cache between sessions."""
+    import zero_fixtures
+
+    cache = getattr(request.config, "cache", None)
+    root = Path(cache.mkdir("streamck-zero")) if cache is not None else tmp_path_factory.mktemp("zero")
+    return {c["name"]: c for c in zero_fixtures.make_zero_checkpoints(root)}

@@ -32,8 +32,9 @@ class Side:
         return self.manifest["tensors"]
 
 
-def load_side(path: str | os.PathLike) -> Side:
-    """A checkpoint in any layout ``ls`` accepts, or a manifest JSON file."""
+def load_side(path: str | os.PathLike, *, key: str | None = None, zero: bool = False) -> Side:
+    """A checkpoint in any layout ``ls`` accepts (opened with ``key`` and ``zero``, see
+    open_checkpoint), or a manifest JSON file."""
     path = Path(path)
     if path.is_file() and path.suffix == ".json":
         try:
@@ -46,7 +47,7 @@ def load_side(path: str | os.PathLike) -> Side:
             path = path.parent
         else:
             raise StreamckError("is JSON but not a manifest (no 'tensors' object)", path)
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, key=key, zero=zero)
     return Side(str(path), checkpoint_manifest(ckpt), ckpt)
 
 

@@ -96,7 +96,9 @@ def _map_error(
     raise AssertionError("weight_map and shards agree")
 
 
-def open_checkpoint(path: str | os.PathLike, step: str | int | None = None, key: str | None = None) -> Checkpoint:
+def open_checkpoint(
+    path: str | os.PathLike, step: str | int | None = None, key: str | None = None, zero: bool = False
+) -> Checkpoint:
     """Index the checkpoint at ``path`` from its headers, without reading tensor data.
 
     ``path`` may be one ``.safetensors`` file or torch zip (``.bin``/``.pt``), a
@@ -106,6 +108,10 @@ def open_checkpoint(path: str | os.PathLike, step: str | int | None = None, key:
     (a number or ``"latest"``), a run root of ``checkpoint-<step>`` folders.
     In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
     ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip).
+    DCP checkpoints (sharded safetensors, ``.distcp``), Automodel steps and DeepSpeed
+    ZeRO checkpoints (``checkpoint-N/``, ``global_stepN/``) are consolidated on the fly.
+    Where a weights file and ZeRO state are both there, the weights are read unless
+    ``zero`` (or unless they are the size-0 placeholders ZeRO-3 leaves).
     Raises CheckpointError for anything malformed.
     """
     path = Path(path)
@@ -113,7 +119,7 @@ def open_checkpoint(path: str | os.PathLike, step: str | int | None = None, key:
         path = pick_step(path, step)
     with _gc_paused():
         try:
-            return _index(path, key)
+            return _index(path, key, zero)
         except OSError as e:  # stat or open of a path we may not enter or read
             raise CheckpointError(f"cannot read: {e.strerror}", e.filename or path) from None
 
@@ -194,8 +200,12 @@ def _cross_check(side_root: Path, tensors: dict[str, TensorRef]) -> None:
         raise CheckpointError(f"does not name {len(extra)} tensors the shards hold: {listing(extra, 5)}", mapping)
 
 
-def _index(path: Path, select: str | None = None) -> Checkpoint:
+def _index(path: Path, select: str | None = None, zero: bool = False) -> Checkpoint:
     layout = find_layout(path)
+    if layout.kind == "zero" or (zero and layout.zero is not None):
+        return _index_zero(path, layout.zero or layout.root, layout.side_root or layout.root)
+    if zero:
+        raise CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind != "files":
         return _index_distributed(path, layout)
     tensors: dict[str, TensorRef] = {}
@@ -218,4 +228,27 @@ def _index(path: Path, select: str | None = None) -> Checkpoint:
     # ...and the map names nothing else: then it is exact.
     if layout.weight_map is not None and len(layout.weight_map) != len(tensors):
         raise _map_error(layout, tensors)
+    if layout.zero is not None:
+        rel = layout.zero.relative_to(layout.root) if layout.zero.is_relative_to(layout.root) else layout.zero
+        if tensors and not any(t.numel for t in tensors.values()):
+            found = _index_zero(path, layout.zero, layout.root)
+            found.notices.insert(0, f"the weights file holds size-0 placeholders: reading the ZeRO state in {rel}")
+            return found
+        notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
     return Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+
+
+def _index_zero(path: Path, step_dir: Path, side_root: Path) -> Checkpoint:
+    """A DeepSpeed ZeRO checkpoint: every parameter's fp32 master weights, its fragments
+    (one per rank file) as tiles over its flattened elements."""
+    from streamck.source.zero import read_zero
+
+    entries, notices = read_zero(step_dir)
+    tensors, files = {}, {}
+    for e in entries.values():
+        size = nbytes(e.dtype, _numel(e.shape))
+        first = e.tiles[0].path if e.tiles else step_dir
+        tensors[e.name] = TensorRef(e.name, e.dtype, e.shape, first, 0, size, None, e.tiles)
+        files.update((t.path, None) for t in e.tiles)
+    stamps = {p: FileStamp.of(p) for p in files}
+    return Checkpoint(path, step_dir, tensors, {}, stamps, notices, side_root)

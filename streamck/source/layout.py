@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import orjson
@@ -46,8 +46,10 @@ class Layout:
     its tensor → shard map as written and, per shard file, the names it is written as.
 
     ``kind`` says how the shards are read: ``files`` (safetensors or torch zips, each
-    tensor whole in one file), ``dcp`` (torch DCP sharded safetensors) or ``distcp``
-    (native DCP). ``side_root`` holds the config and tokenizer files.
+    tensor whole in one file), ``dcp`` (torch DCP sharded safetensors), ``distcp``
+    (native DCP) or ``zero`` (DeepSpeed ZeRO state, ``root`` its ``global_stepN``).
+    ``side_root`` holds the config and tokenizer files; ``zero`` is set when ZeRO state
+    sits beside a weights file (a Trainer ``checkpoint-N/``), for the index to choose.
     """
 
     root: Path
@@ -57,6 +59,7 @@ class Layout:
     index: Path | None = None
     kind: str = "files"
     side_root: Path | None = None
+    zero: Path | None = None
 
 
 def _load_index(index_path: Path) -> dict[str, str]:
@@ -157,9 +160,12 @@ def find_layout(path: Path) -> Layout:
         return Layout(path.parent, [path])
     if not path.is_dir():
         raise CheckpointError("no such file or directory", path)
+    from streamck.source.zero import find_zero
+
+    zero = find_zero(path)
     for name in INDEX_NAMES:
         if (path / name).is_file():
-            return _from_index(path, path / name)
+            return replace(_from_index(path, path / name), zero=zero)
     found = _distributed(path)
     if found is not None:
         side = path / HF_METADATA.name  # the model/ folder of an Automodel step
@@ -167,7 +173,9 @@ def find_layout(path: Path) -> Layout:
     for pattern in SHARD_GLOBS:
         shards = sorted(p for p in path.glob(pattern) if p.is_file())
         if shards:
-            return Layout(path, shards)
+            return Layout(path, shards, zero=zero)
+    if zero is not None:
+        return Layout(zero, [], kind="zero", side_root=path)
     step = _automodel_step(path) if (path / "model").is_dir() else None
     if step is not None:
         return step

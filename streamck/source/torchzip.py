@@ -17,7 +17,7 @@ import struct
 import zipfile
 from pathlib import Path
 
-from streamck.dtypes import BITS
+from streamck.dtypes import BITS, TORCH
 from streamck.errors import CheckpointError, listing
 from streamck.source.header import Header, TensorRef
 
@@ -25,41 +25,10 @@ MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
 MAX_DEPTH = 100  # dicts and lists nested deeper are hostile (or cyclic), not a state dict
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
-# Typed storage classes (torch < 2.x style, still written for classic dtypes) and dtypes.
-STORAGE_DTYPES = {
-    "DoubleStorage": "F64",
-    "FloatStorage": "F32",
-    "HalfStorage": "F16",
-    "BFloat16Storage": "BF16",
-    "LongStorage": "I64",
-    "IntStorage": "I32",
-    "ShortStorage": "I16",
-    "CharStorage": "I8",
-    "ByteStorage": "U8",
-    "BoolStorage": "BOOL",
-    "ComplexFloatStorage": "C64",
-}
-TORCH_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e8m0fnu": "F8_E8M0",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ",
-}
+# The pickle names dtypes by typed storage class (``FloatStorage``) or by torch dtype
+# (``float8_e4m3fn``): both read off the one table in streamck.dtypes.
+STORAGE_DTYPES = {storage: name for name, (_, storage) in TORCH.items() if storage}
+TORCH_DTYPES = {torch_name: name for name, (torch_name, _) in TORCH.items()}
 LEGACY_HINT = "re-save it in the zip format: torch.save(torch.load(path, weights_only=True), new_path)"
 
 

@@ -1,0 +1,527 @@
+"""DeepSpeed ZeRO checkpoints (stages 1–3) read as tiles over the ranks' fp32 master weights.
+
+No torch, no deepspeed: every rank file's ``data.pkl`` is unpickled by a restricted
+unpickler that turns DeepSpeed objects (``ZeroStageEnum``, ``LossScaler``,
+``fragment_address``…) into inert stand-ins holding their pickled arguments, and tensors
+into references to storage records. The layout is zero_to_fp32's (DeepSpeed 0.19):
+
+- ZeRO-1/2: each of the W ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds, per param
+  group, ``single_partition_of_fp32_groups[g]``; the ranks' partitions, concatenated, are the
+  group's flat fp32 vector (the last rank's tensor omits the group's tail padding, so it can
+  be shorter than its storage record). The params of ``param_shapes[g]`` follow one another
+  in it, each followed by ``param_alignment_paddings[g][i]`` elements; a param may straddle
+  ranks. Consumed and available lengths agree once both are rounded up to 2·W.
+- ZeRO-3: each rank's ``fp32_flat_groups`` (one per sub-group) concatenated is that rank's
+  flat vector; params, in ``param_shapes`` order across sub-groups, take ``ceil(n/W)``
+  slots each on every rank, rank r holding elements ``[r·pn, min(n, (r+1)·pn))``; a rank's
+  slots add up exactly to its flat vector.
+- Frozen params: ZeRO-3 ``frozen_param_shapes`` + each rank's ``frozen_param_fragments``
+  (concatenated, first n elements); ZeRO-2 the full tensors in ``frozen_param_fragments``;
+  ZeRO-1 saves none, so they are read from the module copy in ``mp_rank_00_model_states.pt``.
+- Buffers (``buffer_names``) come from rank 0's ``module``, in their saved dtype;
+  ``shared_params`` (rank 0) name tied aliases, written under every name.
+
+Optimizer moments (``exp_avg``, ``exp_avg_sq``) are located in the pickle, never read.
+Every tensor is described by 1-D tiles over its flattened elements (``offsets (k,)``,
+``sizes (m,)``); the entry's ``shape`` is the real one.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import NamedTuple
+
+from streamck.dtypes import BITS
+from streamck.errors import CheckpointError, listing
+from streamck.source.runs import Tile, tiling_error
+from streamck.source.torchzip import MAX_PICKLE, _data_offset, _Lazy, _rebuild_v2, _WeightsOnly
+
+OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+MOE_RE = re.compile(r"(^|_)expert_\d+_.*model_states\.pt$|^expp_rank_\d+_.*optim_states\.pt$")
+AUTOEP_KEYS = ("ds_autoep_layers", "autoep_layers")
+
+
+class Entry(NamedTuple):
+    """One tensor of the checkpoint: 1-D ``tiles`` over its flattened elements, real ``shape``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    tiles: tuple[Tile, ...]
+
+
+class _Opaque:
+    """A DeepSpeed object as pickled: its constructor arguments and state; nothing of it runs."""
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self):
+        return f"<{type(self).__module__}.{type(self).__name__}{self.args!r}>"
+
+
+_STUBS: dict[tuple[str, str], type] = {}
+_TENSOR_TYPES = {
+    ("torch", "Tensor"),
+    ("torch._tensor", "Tensor"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch.nn", "Parameter"),
+}
+
+
+def _stub(module: str, name: str) -> type:
+    cls = _STUBS.get((module, name))
+    if cls is None:
+        cls = _STUBS[(module, name)] = type(name, (_Opaque,), {"__module__": module, "__qualname__": name})
+    return cls
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    """A tensor with Python attributes (ZeRO-3's ``ds_id``…): the tensor, attributes dropped."""
+    if func is not _rebuild_v2 or not isinstance(args, tuple):
+        raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a tensor")
+    return func(*args)
+
+
+def _codecs_encode(text, encoding="latin1"):
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("_codecs.encode used for something other than bytes")
+    return text.encode("latin1")
+
+
+class _ZeroPickle(_WeightsOnly):
+    def find_class(self, module: str, name: str):
+        if module == "deepspeed" or module.startswith("deepspeed."):
+            return _stub(module, name)
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type_v2
+        if (module, name) in _TENSOR_TYPES:
+            return name
+        if module == "_codecs" and name == "encode":
+            return _codecs_encode
+        if module == "builtins" and name in ("set", "frozenset"):
+            return {"set": set, "frozenset": frozenset}[name]
+        return super().find_class(module, name)
+
+
+class _Flat(NamedTuple):
+    """A contiguous run of ``numel`` elements of ``dtype`` at ``path[start:]``."""
+
+    path: Path
+    start: int
+    numel: int
+    dtype: str
+
+
+class _RankFile:
+    """One unpickled rank file and where its storage records' data start."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                if f.read(4) != b"PK\x03\x04":
+                    raise CheckpointError("not a zip archive (a legacy torch file?)", path)
+                try:
+                    z = zipfile.ZipFile(f)
+                except zipfile.BadZipFile as e:
+                    raise CheckpointError(f"broken zip archive: {e}", path) from None
+                records = {i.filename: i for i in z.infolist()}
+                pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") == 1), None)
+                if pkl is None:
+                    raise CheckpointError("zip archive without a data.pkl: not a torch checkpoint", path)
+                if records[pkl].file_size > MAX_PICKLE:
+                    raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
+                prefix = pkl[: -len("data.pkl")]
+                order = z.read(prefix + "byteorder").strip() if prefix + "byteorder" in records else b"little"
+                if order != b"little":
+                    raise CheckpointError(f"byte order {order.decode(errors='replace')!r} is not supported", path)
+                unpickler = _ZeroPickle(z.read(pkl))
+                try:
+                    self.obj = unpickler.load()
+                except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as e:
+                    raise CheckpointError(f"data.pkl refused: {e}", path) from None
+                self.records: dict[str, tuple[int, int]] = {}  # stored records only: start, size
+                for key in unpickler.storages:
+                    info = records.get(f"{prefix}data/{key}")
+                    if info is None:
+                        raise CheckpointError(f"storage record data/{key} is missing", path)
+                    if info.compress_type == zipfile.ZIP_STORED:
+                        self.records[key] = (_data_offset(f, info), info.file_size)
+        except OSError as e:
+            raise CheckpointError(f"cannot read: {e.strerror}", path) from None
+        if not isinstance(self.obj, dict):
+            raise CheckpointError(f"data.pkl holds a {type(self.obj).__name__}, not a dict", path)
+
+    def flat(self, t: object, what: str) -> _Flat:
+        """``t`` as a contiguous run in this file (checked against its storage record)."""
+        if not isinstance(t, _Lazy):
+            raise CheckpointError(f"{what} is a {type(t).__name__}, not a tensor", self.path)
+        item = BITS.get(t.dtype, 0) // 8
+        if not item or not all(type(x) is int and x >= 0 for x in (t.offset, *t.size, *t.stride)):
+            raise CheckpointError(f"{what}: unsupported dtype {t.dtype} or bad view", self.path)
+        if len(t.stride) != len(t.size):
+            raise CheckpointError(f"{what}: {len(t.size)} dims but {len(t.stride)} strides", self.path)
+        numel, expect = math.prod(t.size), 1
+        for d, s in zip(reversed(t.size), reversed(t.stride), strict=True):
+            if d != 1 and s != expect:
+                raise CheckpointError(f"{what}: a non-contiguous view", self.path)
+            expect *= d
+        if t.storage.key not in self.records:
+            raise CheckpointError(f"{what}: storage record data/{t.storage.key} is compressed", self.path)
+        start, size = self.records[t.storage.key]
+        if (t.offset + numel) * item > size:
+            raise CheckpointError(f"{what}: runs past its {size}-byte storage record", self.path)
+        return _Flat(self.path, start + t.offset * item, numel, t.dtype)
+
+
+def _shape(v: object, what: str, path: Path) -> tuple[int, ...]:
+    if isinstance(v, _Opaque):  # never expected: torch.Size is read as a tuple
+        raise CheckpointError(f"{what}: shape is a {type(v).__name__}", path)
+    if not isinstance(v, (tuple, list)) or not all(type(d) is int and d >= 0 for d in v):
+        raise CheckpointError(f"{what}: bad shape {v!r:.60}", path)
+    return tuple(v)
+
+
+def _stage(v: object) -> object:
+    if isinstance(v, _Opaque) and len(v.args) == 1:
+        return v.args[0]
+    return v
+
+
+class _Cursor:
+    """Walks a virtual concatenation of flat runs, handing out tiles."""
+
+    def __init__(self, parts: list[_Flat]):
+        self.parts = parts
+        self.bounds = [0]
+        for p in parts:
+            self.bounds.append(self.bounds[-1] + p.numel)
+
+    @property
+    def numel(self) -> int:
+        return self.bounds[-1]
+
+    def tiles(self, at: int, count: int, into: int) -> list[Tile]:
+        """Tiles for elements ``[at, at+count)`` of the concatenation, placed from element ``into``."""
+        out = []
+        for i, p in enumerate(self.parts):
+            lo, hi = max(at, self.bounds[i]), min(at + count, self.bounds[i + 1])
+            if lo < hi:
+                item = BITS[p.dtype] // 8
+                out.append(Tile(p.path, p.start + (lo - self.bounds[i]) * item, (into + lo - at,), (hi - lo,)))
+        return out
+
+
+def find_zero(path: Path) -> Path | None:
+    """The step folder holding ZeRO state: ``path`` itself (``global_stepN/``) or the one
+    its ``latest`` file names (``checkpoint-N/``); None when ``path`` is neither."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if _has_zero(path):
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        try:
+            tag = latest.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"cannot read: {e}", latest) from None
+        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+            raise CheckpointError(f"names {tag!r}, not a step folder", latest)
+        if not _has_zero(path / tag):
+            raise CheckpointError(f"names {tag}, which holds no ZeRO optimizer state", latest)
+        return path / tag
+    return None
+
+
+def _has_zero(path: Path) -> bool:
+    return path.is_dir() and any(OPTIM_RE.match(p.name) for p in path.iterdir())
+
+
+def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
+    """Index the consolidated weights of the ZeRO checkpoint in ``step_dir`` (``global_stepN``):
+    every param (fp32 master weights), frozen param, buffer and tied alias, with notices.
+
+    Raises CheckpointError for MoE / expert-parallel files, tensor or pipeline parallel
+    files, a missing or extra rank file, optimizer state offloaded to NVMe, counts that do
+    not add up, and any pickle that names more than tensors and DeepSpeed bookkeeping.
+    """
+    step_dir = Path(step_dir)
+    if not step_dir.is_dir():
+        raise CheckpointError("no such directory", step_dir)
+    names = sorted(p.name for p in step_dir.iterdir() if p.is_file())
+    notices: list[str] = []
+    moe = [n for n in names if MOE_RE.search(n)]
+    if moe:
+        raise CheckpointError(
+            f"MoE expert files ({listing(moe, 3)}): expert-parallel ZeRO state is not supported", step_dir
+        )
+    if any(n.startswith("layer_") and n.endswith("model_states.pt") for n in names):
+        raise CheckpointError(
+            "pipeline-parallel layer files: only data-parallel ZeRO checkpoints are supported", step_dir
+        )
+    optim: dict[int, Path] = {}
+    for n in names:
+        m = OPTIM_RE.match(n)
+        if not m:
+            continue
+        if int(m[2]) != 0:
+            raise CheckpointError(f"{n}: tensor-parallel rank files (mp_rank > 0) are not supported", step_dir)
+        if int(m[1]) in optim:
+            raise CheckpointError(f"two optimizer files for rank {m[1]}: {optim[int(m[1])].name} and {n}", step_dir)
+        optim[int(m[1])] = step_dir / n
+    if not optim:
+        raise CheckpointError("no *_optim_states.pt files: not a ZeRO checkpoint", step_dir)
+    if 0 not in optim:
+        raise CheckpointError("rank 0's optimizer file (zero_pp_rank_0_…_optim_states.pt) is missing", step_dir)
+
+    first = _RankFile(optim[0])
+    osd = first.obj.get("optimizer_state_dict")
+    if not isinstance(osd, dict) or "zero_stage" not in osd:
+        raise CheckpointError("no optimizer_state_dict with a zero_stage: not a ZeRO optimizer file", first.path)
+    if osd.get("ds_zero_partition_groups"):
+        raise CheckpointError(
+            "ZeRO-3 expert partition groups (AutoEP MoE): expert-parallel state is not supported", first.path
+        )
+    stage = _stage(osd["zero_stage"])
+    if stage not in (1, 2, 3):
+        raise CheckpointError(f"unknown ZeRO stage {stage!r:.40}", first.path)
+    count = osd.get("partition_count")
+    counts = count if isinstance(count, list) else [count]
+    if not counts or not all(type(c) is int and c > 0 for c in counts):
+        raise CheckpointError(f"bad partition_count {count!r:.60}", first.path)
+    if len(set(counts)) > 1:
+        raise CheckpointError(
+            f"param groups partitioned over different world sizes {counts} (expert parallel?): not supported",
+            first.path,
+        )
+    world = counts[0]
+    missing = [r for r in range(world) if r not in optim]
+    if missing:
+        raise CheckpointError(
+            f"rank file(s) for rank {listing([str(r) for r in missing])} missing: world size is {world}", step_dir
+        )
+    if len(optim) != world:
+        raise CheckpointError(f"{len(optim)} optimizer rank files for a world size of {world}", step_dir)
+
+    ranks = [first] + [_RankFile(optim[r]) for r in range(1, world)]
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    groups: list[list[_Flat]] = []  # [rank][group]
+    for rf in ranks:
+        o = rf.obj.get("optimizer_state_dict")
+        if not isinstance(o, dict) or _stage(o.get("zero_stage")) != stage or o.get("partition_count") != count:
+            raise CheckpointError(f"stage or partition count differs from rank 0's ({optim[0].name})", rf.path)
+        flat = o.get(key)
+        if not isinstance(flat, list):
+            raise CheckpointError(f"no {key} list in the optimizer state", rf.path)
+        groups.append([rf.flat(t, f"{key}[{g}]") for g, t in enumerate(flat)])
+        if len(groups[-1]) != len(groups[0]):
+            raise CheckpointError(f"{len(groups[-1])} {key}, rank 0 has {len(groups[0])}", rf.path)
+    dtypes = {p.dtype for parts in groups for p in parts}
+    if len(dtypes) > 1:
+        raise CheckpointError(f"fp32 master partitions of mixed dtypes {sorted(dtypes)}", step_dir)
+
+    if stage == 3:
+        models = []
+        for r in range(world):
+            p = step_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+            if not p.is_file():
+                raise CheckpointError(
+                    f"rank {r}'s model states file {p.name} is missing (world size {world})", step_dir
+                )
+            models.append(_RankFile(p))
+        extra = [n for n in names if Z3_MODEL_RE.match(n) and int(Z3_MODEL_RE.match(n)[1]) >= world]
+        if extra:
+            raise CheckpointError(f"model states files beyond world size {world}: {listing(extra, 3)}", step_dir)
+    else:
+        p = step_dir / "mp_rank_00_model_states.pt"
+        if not p.is_file():
+            raise CheckpointError(f"{p.name} is missing", step_dir)
+        models = [_RankFile(p)]
+    for m in models:
+        if any(k in m.obj for k in AUTOEP_KEYS if m.obj.get(k)):
+            raise CheckpointError("AutoEP MoE layers: expert-parallel ZeRO state is not supported", m.path)
+    model = models[0]
+    sd = model.obj
+    module = sd.get("module")
+    if not isinstance(module, dict):
+        raise CheckpointError("no module state dict", model.path)
+    param_shapes = sd.get("param_shapes")
+    if not isinstance(param_shapes, list) or not all(isinstance(g, dict) for g in param_shapes):
+        raise CheckpointError("no param_shapes list (saved without ZeRO optimizer state?)", model.path)
+    buffer_names = sd.get("buffer_names") or []
+    shared = sd.get("shared_params") or {}
+    if not isinstance(buffer_names, list) or not isinstance(shared, dict):
+        raise CheckpointError("bad buffer_names or shared_params", model.path)
+
+    entries: dict[str, Entry] = {}
+
+    def add(name: object, dtype: str, shape: tuple[int, ...], tiles: list[Tile], where: Path) -> None:
+        if not isinstance(name, str):
+            raise CheckpointError(f"tensor name {name!r:.60} is not a string", where)
+        if name in entries:
+            raise CheckpointError(f"{name!r} is saved twice (param, frozen param or buffer)", where)
+        err = tiling_error((math.prod(shape),), tiles)
+        if err:
+            raise CheckpointError(f"{name!r}: {err}", where)
+        entries[name] = Entry(name, dtype, shape, tuple(tiles))
+
+    def whole(name: str, t: object, rf: _RankFile, shape: tuple[int, ...] | None = None) -> None:
+        f = rf.flat(t, repr(name))
+        shape = tuple(t.size) if shape is None else shape
+        if math.prod(shape) != f.numel:
+            raise CheckpointError(f"{name!r}: {f.numel} elements saved for shape {list(shape)}", rf.path)
+        add(name, f.dtype, shape, [Tile(f.path, f.start, (0,), (f.numel,))] if f.numel else [], rf.path)
+
+    # buffers, as zero_to_fp32 orders them: buffers, frozen params, params, aliases
+    low = []
+    for name in buffer_names:
+        if name in module and isinstance(module[name], _Lazy):
+            whole(name, module[name], model)
+            if entries[name].dtype in ("F16", "BF16"):
+                low.append(name)
+    if low:
+        notices.append(
+            f"buffers {listing(low, 4)} are kept as saved ({entries[low[0]].dtype}); zero_to_fp32 upcasts them"
+        )
+
+    trainable = [(n, _shape(s, repr(n), model.path)) for g in param_shapes for n, s in g.items()]
+    trained = {n for n, _ in trainable}
+    frozen_shapes = sd.get("frozen_param_shapes")
+    if stage == 3 and frozen_shapes:
+        for name, s in frozen_shapes.items():
+            shape = _shape(s, repr(name), model.path)
+            n, at, tiles, dtype = math.prod(shape), 0, [], None
+            for r, m in enumerate(models):
+                frags = m.obj.get("frozen_param_fragments")
+                if not isinstance(frags, dict) or name not in frags:
+                    raise CheckpointError(f"frozen param {name!r} has no fragment here", m.path)
+                f = m.flat(frags[name], f"frozen param {name!r}")
+                if dtype not in (None, f.dtype):
+                    raise CheckpointError(f"frozen param {name!r}: rank {r} has {f.dtype}, rank 0 {dtype}", m.path)
+                dtype, take = f.dtype, min(f.numel, n - at)
+                if take:
+                    tiles.append(Tile(f.path, f.start, (at,), (take,)))
+                at += take
+            if at != n:
+                raise CheckpointError(f"frozen param {name!r}: fragments hold {at} of {n} elements", step_dir)
+            add(name, dtype or "F32", shape, tiles, model.path)
+    elif frozen_shapes:
+        frags = sd.get("frozen_param_fragments")
+        if not isinstance(frags, dict):
+            raise CheckpointError("frozen_param_shapes without frozen_param_fragments", model.path)
+        for name, s in frozen_shapes.items():
+            if name not in frags:
+                raise CheckpointError(f"frozen param {name!r} has no saved tensor", model.path)
+            whole(name, frags[name], model, _shape(s, repr(name), model.path))
+    elif stage < 3:
+        # ZeRO-1 saves no frozen_param_*: what is left of the module is the frozen params
+        frozen = [
+            n
+            for n, t in module.items()
+            if isinstance(t, _Lazy) and n not in trained and n not in buffer_names and n not in shared
+        ]
+        for name in frozen:
+            whole(name, module[name], model)
+        if frozen:
+            notices.append(
+                f"frozen params {listing(frozen, 4)} read from the module copy in {model.path.name} "
+                f"({entries[frozen[0]].dtype}; zero_to_fp32 leaves ZeRO-{stage} frozen params out)"
+            )
+
+    dtype = dtypes.pop() if dtypes else "F32"
+    if stage == 3:
+        for r, parts in enumerate(groups):
+            empty = [g for g, p in enumerate(parts) if p.numel == 0]
+            if empty:
+                raise CheckpointError(
+                    f"fp32_flat_groups[{empty[0]}] is empty: the optimizer state was offloaded to NVMe "
+                    "and is not in this checkpoint",
+                    ranks[r].path,
+                )
+            if [p.numel for p in parts] != [p.numel for p in groups[0]]:
+                raise CheckpointError("fp32_flat_groups sizes differ from rank 0's", ranks[r].path)
+        cursors = [_Cursor(parts) for parts in groups]
+        offset = 0
+        for name, shape in trainable:
+            n = math.prod(shape)
+            pn = -(-n // world)
+            if offset + pn > cursors[0].numel:
+                raise CheckpointError(
+                    f"param_shapes need more than the {cursors[0].numel} elements of each rank's fp32_flat_groups",
+                    ranks[0].path,
+                )
+            tiles = []
+            for r, cur in enumerate(cursors):
+                real = max(0, min(pn, n - r * pn))
+                tiles += cur.tiles(offset, real, r * pn)
+            add(name, dtype, shape, tiles, model.path)
+            offset += pn
+        if offset != cursors[0].numel:
+            raise CheckpointError(
+                f"param_shapes use {offset} elements per rank, fp32_flat_groups hold {cursors[0].numel}", ranks[0].path
+            )
+    else:
+        if len(param_shapes) != len(groups[0]):
+            raise CheckpointError(
+                f"{len(param_shapes)} param groups in param_shapes, {len(groups[0])} in the optimizer state",
+                model.path,
+            )
+        paddings = osd.get("param_alignment_paddings")
+        align = 2 * world
+        for g, shapes in enumerate(param_shapes):
+            pads = None if paddings is None else paddings[g] if g < len(paddings) else None
+            if paddings is not None and (not isinstance(pads, list) or len(pads) != len(shapes)):
+                raise CheckpointError(
+                    f"param group {g}: {len(shapes)} params but param_alignment_paddings "
+                    f"{'missing' if pads is None else len(pads)}",
+                    ranks[0].path,
+                )
+            cur = _Cursor([parts[g] for parts in groups])
+            offset = 0
+            for i, (name, s) in enumerate(shapes.items()):
+                shape = _shape(s, repr(name), model.path)
+                n = math.prod(shape)
+                if offset + n > cur.numel:
+                    raise CheckpointError(
+                        f"param group {g}: params need more than the {cur.numel} elements the ranks hold (at {name!r})",
+                        step_dir,
+                    )
+                add(name, dtype, shape, cur.tiles(offset, n, 0), model.path)
+                offset += n
+                if pads is not None:
+                    if type(pads[i]) is not int or pads[i] < 0:
+                        raise CheckpointError(f"param group {g}: bad alignment padding {pads[i]!r:.20}", ranks[0].path)
+                    offset += pads[i]
+            if -(-offset // align) != -(-cur.numel // align):
+                raise CheckpointError(
+                    f"param group {g}: params use {offset} of the ranks' {cur.numel} elements", step_dir
+                )
+
+    dangling = []
+    for alias, target in shared.items():
+        if target in entries:
+            e = entries[target]
+            entries.pop(alias, None)
+            entries[alias] = Entry(alias, e.dtype, e.shape, e.tiles)
+        else:
+            dangling.append(f"{alias} -> {target}")
+    if dangling:
+        notices.append(f"tied aliases without a saved target left out: {listing(dangling, 4)}")
+    return entries, notices
