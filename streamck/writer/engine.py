@@ -14,7 +14,17 @@ from streamck.errors import OutputError, UsageError
 from streamck.plan import Plan
 from streamck.source.reader import CHUNK
 from streamck.writer.atomic import atomic_output, check_target
-from streamck.writer.layout import INDEX_NAME, Shard, index_bytes, plan_shards
+from streamck.writer.layout import (
+    FORMATS,
+    INDEX_NAME,
+    SINGLE_NAME,
+    TORCH_INDEX_NAME,
+    TORCH_SINGLE_NAME,
+    TORCH_SUFFIXES,
+    Shard,
+    index_bytes,
+    plan_shards,
+)
 from streamck.writer.shardwriter import Progress, ShardWriter, Syncer
 from streamck.writer.verify import verify_shard
 
@@ -45,8 +55,13 @@ def parse_size(text: str) -> int:
     return value
 
 
-def is_file_target(out: Path) -> bool:
-    return out.name.endswith(".safetensors")
+def file_format(out: Path) -> str | None:
+    """The format a file target's name asks for, or None for a directory target."""
+    if out.name.endswith(".safetensors"):
+        return "safetensors"
+    if out.suffix in TORCH_SUFFIXES:
+        return "torch"
+    return None
 
 
 def write_plan(
@@ -61,10 +76,12 @@ def write_plan(
     verify: bool = False,
     chunk: int = CHUNK,
     progress: bool = False,
+    format: str | None = None,
 ) -> WriteResult:
-    """Write ``plan`` to ``out``: a ``*.safetensors`` path is one file; any other path is a
-    directory holding ``model.safetensors`` (or numbered shards and an index when
-    ``max_shard_size`` splits it) and the plan's extra files.
+    """Write ``plan`` to ``out``: a ``*.safetensors`` path is one file, a ``*.bin``/``.pt``/
+    ``.pth`` path one torch.save archive; any other path is a directory holding
+    ``model.safetensors`` (or ``pytorch_model.bin`` with ``format="torch"``), or numbered
+    shards and an index when ``max_shard_size`` splits it, and the plan's extra files.
 
     With ``verify``, every written tensor is re-read and checked against its source
     (or a fresh CPU cast of it) before the output is kept.
@@ -76,18 +93,29 @@ def write_plan(
     if header_align < 8 or header_align % 8:
         raise UsageError(f"--header-align {header_align}: must be a positive multiple of 8")
     if os.fspath(out) == "-":
+        if format not in (None, "safetensors"):
+            raise UsageError("-o - streams one safetensors file; write a torch archive to a path")
         return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
     out = Path(out)
-    single = is_file_target(out)
+    named = file_format(out)
+    single = named is not None
+    if format is not None and format not in FORMATS:
+        raise UsageError(f"--format {format}: one of {', '.join(FORMATS)}")
+    if named is not None and format not in (None, named):
+        raise UsageError(f"--format {format} disagrees with the output's name {out.name}")
+    format = named or format or "safetensors"
+    if plan.single_file and format != "safetensors":
+        raise OutputError("this plan writes exactly one model.safetensors; drop --format", out)
     if plan.single_file and max_shard_size is not None:
         raise OutputError("this plan writes exactly one model.safetensors; drop --max-shard-size", out)
     if single and max_shard_size is not None:
-        raise OutputError("--max-shard-size needs a directory output, not a .safetensors file", out)
+        raise OutputError(f"--max-shard-size needs a directory output, not a {out.suffix} file", out)
     if single and plan.files:
         raise OutputError(f"this plan also writes {', '.join(plan.files)}; give a directory output", out)
     sources = list(plan.source.files) if plan.source else []
     check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
-    shards = plan_shards(plan, out.name if single else "model.safetensors", max_shard_size, header_align)
+    default = TORCH_SINGLE_NAME if format == "torch" else SINGLE_NAME
+    shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format)
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache, bar)
     if any(t.is_cast for t in plan.tensors):
@@ -121,7 +149,7 @@ def _write_extras(plan: Plan, shards: list[Shard], directory: Path) -> list[str]
     """The index (when sharded), the plan's files and its side files, fsynced; their names."""
     files = dict(plan.files)
     if len(shards) > 1:
-        files[INDEX_NAME] = index_bytes(shards)
+        files[TORCH_INDEX_NAME if shards[0].format == "torch" else INDEX_NAME] = index_bytes(shards)
     extras = {**plan.side_files, **files}  # the plan's own files win over copies
     for name, data in extras.items():
         if isinstance(data, bytes):

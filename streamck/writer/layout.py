@@ -12,19 +12,34 @@ from streamck.source import header
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# The torch.save container: -o *.bin/*.pt/*.pth, or a directory with format="torch".
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+TORCH_SINGLE_NAME = "pytorch_model.bin"
+TORCH_INDEX_NAME = "pytorch_model.bin.index.json"
+FORMATS = ("safetensors", "torch")
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One output file: its name, its complete header (length prefix and padding
-    included) and its tensors in write order."""
+    """One output file: its name, its tensors in write order, and for safetensors its
+    complete header (length prefix and padding included); a ``torch`` shard is a
+    torch.save archive (streamck.writer.torchsave) and has no header of its own."""
 
     filename: str
     header: bytes
     tensors: list[OutputTensor]
+    format: str = "safetensors"
+
+    @property
+    def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]:
+        return [(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors]
 
     @property
     def size(self) -> int:
+        if self.format == "torch":
+            from streamck.writer.torchsave import archive_size
+
+            return archive_size(self.filename, self.entries)
         return len(self.header) + sum(t.nbytes for t in self.tensors)
 
 
@@ -56,21 +71,30 @@ def split(tensors: list[OutputTensor], max_size: int) -> list[list[OutputTensor]
     return groups
 
 
-def plan_shards(plan: Plan, filename: str = SINGLE_NAME, max_size: int | None = None, align: int = 8) -> list[Shard]:
+def plan_shards(
+    plan: Plan, filename: str = SINGLE_NAME, max_size: int | None = None, align: int = 8, format: str = "safetensors"
+) -> list[Shard]:
     """Lay ``plan`` out as one file named ``filename``, or as numbered shards of at most
-    ``max_size`` data bytes each (one shard keeps the single-file name)."""
+    ``max_size`` data bytes each (one shard keeps the single-file name). Safetensors
+    files order tensors as the reference writer does; torch archives by name, as a
+    state dict reads."""
     groups = split(plan.tensors, max_size) if max_size else [plan.tensors]
     n = len(groups)
-    names = [filename] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    stem, suffix = ("pytorch_model", "bin") if format == "torch" else ("model", "safetensors")
+    names = [filename] if n == 1 else [f"{stem}-{i:05d}-of-{n:05d}.{suffix}" for i in range(1, n + 1)]
     shards = []
     for name, group in zip(names, groups, strict=True):
-        ordered = write_order(group)
-        shards.append(Shard(name, header_bytes(ordered, plan.metadata, align), ordered))
+        if format == "torch":
+            shards.append(Shard(name, b"", sorted(group, key=lambda t: _natural(t.name)), "torch"))
+        else:
+            ordered = write_order(group)
+            shards.append(Shard(name, header_bytes(ordered, plan.metadata, align), ordered))
     return shards
 
 
 def index_bytes(shards: list[Shard]) -> bytes:
-    """``model.safetensors.index.json`` as the Hugging Face tools write it."""
+    """The shards' index (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``)
+    as the Hugging Face tools write it."""
     weight_map = {t.name: s.filename for s in shards for t in s.tensors}
     index = {
         "metadata": {"total_size": sum(t.nbytes for s in shards for t in s.tensors)},

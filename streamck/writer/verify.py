@@ -35,6 +35,30 @@ def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iter
         yield view
 
 
+def _verify_archive(shard: Shard, path: Path, fd: int, caster_factory: Callable) -> None:
+    """A torch.save archive against the archive streamed afresh from the sources: the same
+    bytes, CRCs and all (its casts run on the CPU, so a fresh cast gives the same bits)."""
+    from streamck.writer.torchsave import stream_archive
+
+    current = [""]
+
+    def expected(t: OutputTensor, reader: Reader) -> Iterator[memoryview]:
+        current[0] = t.name
+        yield from _expected(t, reader, caster_factory)
+
+    offset, buffer = 0, bytearray()
+    with Reader() as reader:
+        for piece in stream_archive(shard.filename, shard.entries, (expected(t, reader) for t in shard.tensors)):
+            if len(buffer) < len(piece):
+                buffer = bytearray(len(piece))
+            got = memoryview(buffer)[: len(piece)]
+            read_into(fd, got, offset, str(path))
+            offset += len(piece)
+            if got != piece:
+                what = f"{current[0]} or its record" if current[0] else "the archive's records"
+                raise OutputError(f"verification failed: {what} differs from its source", path)
+
+
 def verify_shard(shard: Shard, path: Path, caster_factory: Callable) -> None:
     """Check the written ``shard`` at ``path``: its size, its header byte for byte, and every
     tensor against its source: equal bytes, or for a cast equal to a fresh cast of the
@@ -44,7 +68,10 @@ def verify_shard(shard: Shard, path: Path, caster_factory: Callable) -> None:
     try:
         size = os.fstat(fd).st_size
         if size != shard.size:
-            raise OutputError(f"verification failed: file is {size} bytes, its header says {shard.size}", path)
+            raise OutputError(f"verification failed: file is {size} bytes, its layout says {shard.size}", path)
+        if shard.format == "torch":
+            _verify_archive(shard, path, fd, caster_factory)
+            return
         read_into(fd, memoryview(buffer), 0, str(path))
         if buffer != shard.header:
             raise OutputError("verification failed: the header differs from the plan's", path)
