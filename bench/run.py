@@ -3,6 +3,8 @@
     python bench/run.py                 # every case at its default size (a few minutes)
     python bench/run.py rewrite --size 8GiB --reps 5
     python bench/run.py index
+    python bench/run.py dcp --size 2GiB      # torch DCP (sharded safetensors, .distcp) -> one file
+    python bench/run.py zero --size 1GiB     # DeepSpeed ZeRO-3 checkpoint-N -> safetensors
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
 medians and ratios against the baseline of the same run, and is written into
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import shlex
 import shutil
 import statistics
 import struct
@@ -267,6 +271,121 @@ def case_index(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+@case
+def case_dcp(a: argparse.Namespace, tmp: Path) -> str:
+    """torch DCP checkpoint (2 gloo ranks) -> one safetensors file: torch's consolidators vs streamck."""
+    from dcp_ckpt import make_dcps, plan
+
+    size = parse_size(a.size)
+    big, small = make_dcps([(tmp / "big", size), (tmp / "small", size // 4)])
+    hf, distcp = big["hf"], big["dcp"]
+    data = _dir_bytes(hf)
+    tensors = plan(size)
+    largest = max(tensors, key=lambda t: math.prod(t[1]) * (4 if t[2] == "f32" else 2))
+    largest_bytes = math.prod(largest[1]) * (4 if largest[2] == "f32" else 2)
+    kinds = {p: sum(1 for t in tensors if t[3] == p) for p in ("S0", "S1", "R")}
+    consolidate = str(HERE / "dcp_consolidate.py")
+    contenders = {
+        "cp -r + sync (sharded safetensors)": cp_fsync(hf),
+        "torch consolidate_safetensors_files": lambda o: [PY, consolidate, "hf", str(hf), str(o)],
+        "torch dcp_to_torch_save (.distcp)": lambda o: [PY, consolidate, "distcp", str(distcp), str(o)],
+        "streamck rewrite (sharded safetensors)": lambda o: streamck("rewrite", str(hf), "-o", str(o), "-q"),
+        "streamck rewrite (.distcp)": lambda o: streamck("rewrite", str(distcp), "-o", str(o), "-q"),
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle)
+    _, s_hf = run_child(streamck("rewrite", str(small["hf"]), "-o", str(out), "-q"), a.settle)
+    shutil.rmtree(out)
+    _, s_dcp = run_child(streamck("rewrite", str(small["dcp"]), "-o", str(out), "-q"), a.settle)
+    shutil.rmtree(out)
+    return (
+        f"Checkpoint: {len(tensors)} tensors ({kinds['S0']} Shard(0), {kinds['S1']} Shard(1), {kinds['R']} "
+        f"replicated; BF16 and F32) as DTensors on 2 gloo ranks, saved by torch's `HuggingFaceStorageWriter("
+        f"save_distributed=True)` ({data / 2**30:.2f} GiB in 2 shards) and `FileSystemWriter` "
+        f"({_dir_bytes(distcp) / 2**30:.2f} GiB .distcp); largest tensor `{largest[0]}` "
+        f"{largest_bytes / 2**20:.0f} MiB. Output: one file. {a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "cp -r + sync (sharded safetensors)", data)
+        + f"\n\nstreamck peak RSS as the checkpoint grows: {mib(s_hf)} (sharded safetensors) and {mib(s_dcp)} "
+        f"(.distcp) at {_dir_bytes(small['hf']) / 2**30:.2f} GiB vs "
+        f"{mib(runs['streamck rewrite (sharded safetensors)'].peak)} and "
+        f"{mib(runs['streamck rewrite (.distcp)'].peak)} at {data / 2**30:.2f} GiB."
+    )
+
+
+HUB_DIR = Path(os.environ.get("BENCH_PYDEPS", Path.home() / ".cache" / "streamck-bench" / "pydeps"))
+HUB_INSTALL = f"{PY} -m pip install --no-deps --target {HUB_DIR} huggingface_hub"
+
+
+def _hub_pythonpath() -> str | None:
+    """zero_to_fp32.py's CLI needs huggingface_hub (its --max_shard_size, default 5GB, always
+    imports it). The venv lacks it: a copy installed by HUB_INSTALL, outside the venv, is put on
+    PYTHONPATH for those contenders only. None when neither has it."""
+    for extra in ("", str(HUB_DIR)):
+        env = {**os.environ, "PYTHONPATH": extra} if extra else None
+        if subprocess.run([PY, "-c", "import huggingface_hub"], env=env, capture_output=True).returncode == 0:
+            return extra
+    return None
+
+
+@case
+def case_zero(a: argparse.Namespace, tmp: Path) -> str:
+    """DeepSpeed ZeRO-3 (fp32, 2 ranks) checkpoint-N -> consolidated weights: zero_to_fp32.py vs streamck."""
+    from zero_ckpt import dims, make_zero, weight_bytes
+
+    size = parse_size(a.size)
+    ck = make_zero(tmp / "run", size)
+    step = ck / "global_step1"
+    data = _dir_bytes(step)
+    vocab, hidden, inter, layers = dims(size)
+    master = sum(f.stat().st_size for f in step.glob("*optim_states.pt"))
+    script = str(ck / "zero_to_fp32.py")  # DeepSpeed copies it there; run as a user does
+    notes = []
+    contenders: dict[str, Callable[[Path], list[str]]] = {"cp -r + sync (global_step1)": cp_fsync(step)}
+    hub = _hub_pythonpath()
+    if hub is None:
+        notes.append(f"zero_to_fp32.py not run: it needs huggingface_hub (install: `{HUB_INSTALL}`).")
+    else:
+        env = f"PYTHONPATH={shlex.quote(hub)} " if hub else ""
+
+        def z2f(*flags: str) -> Callable[[Path], list[str]]:
+            return lambda o: [
+                "sh",
+                "-c",
+                f"{env}{shlex.join([PY, script, str(ck), str(o), *flags])} && sync {shlex.quote(str(o))}/*",
+            ]
+
+        contenders["zero_to_fp32.py (default)"] = z2f()
+        contenders["zero_to_fp32.py --max_shard_size 200MB"] = z2f("--max_shard_size", "200MB")
+    probe = subprocess.run(streamck("ls", str(ck)), capture_output=True, text=True)
+    if probe.returncode == 0:
+        contenders["streamck rewrite"] = lambda o: streamck("rewrite", str(ck), "-o", str(o), "-q")
+    else:
+        err = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+        notes.append(f"streamck not run: `streamck ls checkpoint-1` failed (status {probe.returncode}: {err}).")
+    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    return (
+        f"Checkpoint: trained one AdamW step and saved by DeepSpeed {_ds_version()} (ZeRO-3, fp32, 2 CPU ranks "
+        f"on gloo): `checkpoint-1/global_step1` {data / 2**30:.2f} GiB, of which optimizer states "
+        f"{master / 2**30:.2f} GiB (fp32 master + 2 Adam moments); fp32 weights "
+        f"{weight_bytes(size) / 2**30:.2f} GiB "
+        f"(embedding {vocab}×{hidden} tied to lm_head, {layers} layers of H={hidden}, I={inter}). "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle; throughput is of the step directory.\n\n"
+        + table(runs, "cp -r + sync (global_step1)", data)
+        + "".join(f"\n\n{n}" for n in notes)
+    )
+
+
+def _ds_version() -> str:
+    proc = subprocess.run(
+        [PY, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"], capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "?"
+
+
 def record(name: str, text: str) -> None:
     path = HERE / "RESULTS.md"
     doc = path.read_text() if path.exists() else "# Benchmark results\n"
@@ -280,10 +399,17 @@ def record(name: str, text: str) -> None:
     path.write_text(doc)
 
 
+DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cases", nargs="*", choices=[[], *CASES], default=[])
-    p.add_argument("--size", default="4GiB", help="rewrite: checkpoint size (a quarter-size one is run too)")
+    p.add_argument(
+        "--size",
+        default=None,
+        help="checkpoint size (default: 4GiB; dcp 2GiB, zero 1GiB); rewrite, cast, dcp also run a quarter-size one",
+    )
     p.add_argument("--embed", default="1GiB", help="rewrite: the largest tensor")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--settle", type=float, default=10.0, help="seconds of idle before each timed child")
@@ -292,7 +418,9 @@ def main() -> None:
     p.add_argument("--eagle-scale", type=int, default=2, help="eagle4: divide the 70B-target draft's sizes by this")
     p.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md alone")
     a = p.parse_args()
+    size = a.size
     for name in a.cases or CASES:
+        a.size = size or DEFAULT_SIZE.get(name, "4GiB")
         with tempfile.TemporaryDirectory(prefix=f"streamck-bench-{name}-", dir=os.environ.get("BENCH_DIR")) as tmp:
             print(f"== {name}: {CASES[name].__doc__}", file=sys.stderr)
             text = CASES[name](a, Path(tmp))

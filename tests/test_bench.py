@@ -41,3 +41,19 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
     for case in ("rewrite", "index", "lsdiff", "eagle4", "view"):
         assert f"## {case}" in proc.stdout
     assert "| streamck rewrite |" in proc.stdout and "torch not imported" in proc.stdout
+
+
+def test_bench_dcp_and_zero_cases_run_at_toy_sizes(tmp_path):
+    """Real checkpoints from torch DCP (2 gloo ranks) and DeepSpeed ZeRO-3 (2 CPU ranks), toy size."""
+    args = ["dcp", "zero", "--size", "8MiB", "--reps", "1", "--settle", "0", "--no-record"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BENCH_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dcp, zero = proc.stdout.split("## zero")
+    assert "| torch consolidate_safetensors_files |" in dcp and "| torch dcp_to_torch_save (.distcp) |" in dcp
+    assert "| streamck rewrite (sharded safetensors) |" in dcp and "| streamck rewrite (.distcp) |" in dcp
+    assert "| cp -r + sync (global_step1) |" in zero and "| streamck rewrite |" in zero

@@ -18,10 +18,11 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
 from streamck.fileio import read_into, write_all
 from streamck.source.header import TensorRef
-from streamck.source.runs import Run
+from streamck.source.runs import RowBlocks, Run
 
 # Bytes per buffer fill: a cast step, a comparison window, a digest update.
 CHUNK = 16 << 20
@@ -51,6 +52,7 @@ class Reader:
         self.chunk, self.copy_chunk = chunk, copy_chunk
         self._fds: dict[Path, int] = {}
         self._buffer: bytearray | None = None
+        self._spare = bytearray()
         self._mode = copy_mode or next(m for m in COPY_MODES if m == "buffer" or hasattr(os, m))
 
     def fd(self, path: Path) -> int:
@@ -94,8 +96,8 @@ class Reader:
 
     def copy(self, ref: TensorRef, out: int, progress: Callable[[int], None] = lambda n: None) -> None:
         """Append ``ref``'s bytes to the fd ``out``: long runs kernel-side, the rest
-        through the buffer."""
-        if ref.strides is not None:
+        through the buffer; views and blocks narrower than a row are gathered."""
+        if ref.strides is not None or _row_blocks(ref) is not None:  # gathered, not copied
             for view in self.windows(ref):
                 write_all(out, view)
                 progress(len(view))
@@ -127,6 +129,12 @@ class Reader:
         if self._buffer is None:
             self._buffer = bytearray(self.chunk)
         return self._buffer
+
+    def scratch(self, n: int) -> memoryview:
+        """``n`` bytes of a second reused buffer, for reads placed elsewhere (at most a window)."""
+        if len(self._spare) < n:
+            self._spare = bytearray(max(n, self.chunk))
+        return memoryview(self._spare)[:n]
 
     def _copy_run(self, run: Run, out: int, progress: Callable[[int], None]) -> None:
         src, offset, end = self.fd(run.path), run.offset, run.offset + run.length
@@ -194,20 +202,27 @@ class TensorStream:
 
     def __init__(self, reader: Reader, ref: TensorRef):
         self.reader, self.ref, self.left = reader, ref, ref.nbytes
+        self._blocks: Iterator[memoryview] | None = None
+        self._runs: Iterator[Run] | None = None
+        self._grid = _row_blocks(ref)
+        self._pos = 0
         if ref.strides is not None:
             from streamck.source.strided import gather
 
-            self._blocks: Iterator[memoryview] | None = gather(ref, reader.chunk, reader.fd(ref.path))
-            self._runs: Iterator[Run] | None = None
-        else:
-            self._blocks, self._runs = None, ref.runs()
+            self._blocks = gather(ref, reader.chunk, reader.fd(ref.path))
+        elif self._grid is None:
+            self._runs = ref.runs()
         self._rest: Run | memoryview | None = None  # what the last call left of a run or block
 
     def readinto(self, view: memoryview) -> int:
         """Fill ``view`` with the next bytes; returns how many (less only at the end)."""
         want = min(len(view), self.left)
         done = 0
-        if self._blocks is not None:
+        if self._grid is not None:
+            _fill_rows(self.reader, self._grid, view[:want], self._pos)
+            self._pos += want
+            done = want
+        elif self._blocks is not None:
             while done < want:
                 block = self._rest if self._rest is not None else next(self._blocks)
                 n = min(len(block), want - done)
@@ -225,3 +240,47 @@ class TensorStream:
             filler.flush()
         self.left -= done
         return done
+
+
+def _row_blocks(ref: TensorRef) -> RowBlocks | None:
+    """The row-block view of a tiled tensor whose tiles do not all span whole rows (those
+    are a few long runs, read as runs)."""
+    if ref.tiles is None:
+        return None
+    grid = ref.shape if len(ref.tiles[0].offsets) == len(ref.shape) else (ref.numel,)
+    blocks = RowBlocks.of(grid, BITS[ref.dtype] // 8, ref.tiles)
+    return None if blocks is None or blocks.whole_rows else blocks
+
+
+def _fill_rows(reader: Reader, grid: RowBlocks, view: memoryview, pos: int) -> None:
+    """Fill ``view`` with the tensor's bytes ``[pos, pos + len(view))``: per block, the span
+    of its file that the window needs in one read (its rows are consecutive there), then
+    placed row by row with one strided numpy copy. Reads never exceed the window."""
+    import numpy as np
+
+    end, rb = pos + len(view), grid.row_bytes
+    out = np.frombuffer(view, np.uint8)
+    first, stop = pos // rb, (end - 1) // rb + 1  # rows the window touches
+    for path, start, r0, r1, c0, width in grid.blocks:
+        lo, last = max(first, r0), min(stop, r1) - 1
+        if lo > last:
+            continue
+        col_a = min(max(pos - lo * rb, c0), c0 + width) - c0  # where the window enters the block
+        col_b = max(min(end - last * rb, c0 + width), c0) - c0  # and leaves it
+        a, b = (lo - r0) * width + col_a, (last - r0) * width + col_b
+        if a >= b:
+            continue
+        src = reader.scratch(b - a)
+        read_into(reader.fd(path), src, start + a, str(path))
+        src = np.frombuffer(src, np.uint8)
+
+        edges = [(lo, col_a, col_b)] if lo == last else [(lo, col_a, width), (last, 0, col_b)]
+        for r, ca, cb in edges:  # rows the window may cut
+            if ca < cb:
+                at, s0 = r * rb + c0 + ca - pos, (r - r0) * width + ca - a
+                out[at : at + cb - ca] = src[s0 : s0 + cb - ca]
+        if last - lo > 1:  # the rows in between lie whole inside the window
+            m, at, s0 = last - lo - 1, (lo + 1) * rb + c0 - pos, (lo + 1 - r0) * width - a
+            np.lib.stride_tricks.as_strided(out[at:], (m, width), (rb, 1))[...] = src[s0 : s0 + m * width].reshape(
+                m, width
+            )

@@ -138,3 +138,36 @@ def strided_runs(ref) -> Iterator[Run]:
         pending = Run(ref.path, offset, length)
     if pending is not None:
         yield pending
+
+
+class RowBlocks:
+    """A tensor tiled along at most its first two dimensions, seen as ``rows`` rows of
+    ``row_bytes`` bytes: each tile is a block of whole rows ``[r0, r1)`` and byte columns
+    ``[c0, c0 + width)``, stored row after row. Reading a window of the tensor is then one
+    read per tile (its rows are consecutive in its file) and one strided placement,
+    however many short runs the window holds. ``of`` gives None for other tilings
+    (blocks cut along a later dimension too), which are read run by run."""
+
+    def __init__(self, rows: int, row_bytes: int, blocks: list[tuple[Path, int, int, int, int, int]]):
+        self.rows, self.row_bytes = rows, row_bytes
+        self.blocks = blocks  # (path, start, r0, r1, c0, width)
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], itemsize: int, tiles: Sequence[Tile]) -> RowBlocks | None:
+        tiles = [t for t in tiles if _numel(t.sizes)]
+        if not shape or not tiles:
+            return None
+        if any(t.offsets[d] != 0 or t.sizes[d] != shape[d] for t in tiles for d in range(2, len(shape))):
+            return None
+        row_bytes = _numel(shape[1:]) * itemsize
+        inner = _numel(shape[2:]) * itemsize
+        blocks = []
+        for t in tiles:
+            c0, width = (t.offsets[1] * inner, t.sizes[1] * inner) if len(shape) > 1 else (0, itemsize)
+            blocks.append((t.path, t.start, t.offsets[0], t.offsets[0] + t.sizes[0], c0, width))
+        return cls(shape[0], row_bytes, blocks)
+
+    @property
+    def whole_rows(self) -> bool:
+        """Every block spans whole rows: its bytes are one run (a Shard(0) split, ZeRO fragments)."""
+        return all(width == self.row_bytes for *_, width in self.blocks)
