@@ -14,6 +14,7 @@ bench/RESULTS.md between that case's markers.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import math
 import os
@@ -135,8 +136,20 @@ def case_cuda(a: argparse.Namespace, tmp: Path) -> str:
         "streamck --device cuda": cast("cuda"),
     }
     runs = contend(contenders, tmp / "out", a.reps, a.settle)
-    return f"GPU: {gpu}. Checkpoint: {data / 2**30:.2f} GiB F32 → BF16. {a.reps} interleaved reps.\n\n" + table(
-        runs, "cp -r + sync (source)", data
+    # The figures count only if the GPU wrote the CPU's bytes (bench data has no NaN).
+    for device in ("cpu", "cuda"):
+        subprocess.run(cast(device)(tmp / device), check=True)
+    names = sorted(p.name for p in (tmp / "cpu").iterdir())
+    same = names == sorted(p.name for p in (tmp / "cuda").iterdir()) and all(
+        filecmp.cmp(tmp / "cpu" / n, tmp / "cuda" / n, shallow=False) for n in names
+    )
+    shutil.rmtree(tmp / "cpu")
+    shutil.rmtree(tmp / "cuda")
+    if not same:
+        raise RuntimeError("--device cuda wrote other bytes than --device cpu")
+    return (
+        f"GPU: {gpu}. Checkpoint: {data / 2**30:.2f} GiB F32 → BF16. {a.reps} interleaved reps; "
+        "the CUDA output is byte-identical to the CPU's.\n\n" + table(runs, "cp -r + sync (source)", data)
     )
 
 

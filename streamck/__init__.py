@@ -13,7 +13,7 @@ or the data flow step by step, source → plan → writer::
 """
 
 from streamck.api import build_plan, diff, export_eagle4_draft, hash, ls, rewrite
-from streamck.errors import CheckpointError, OutputError, PlanError, StreamckError, UsageError
+from streamck.errors import CheckpointError, DeviceError, OutputError, PlanError, StreamckError, UsageError
 from streamck.manifest import checkpoint_manifest, plan_manifest
 from streamck.plan import OutputTensor, Plan, Rule, Rules, compile_plan, eagle4_plan, load_rules
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "DeviceError",
     "OutputError",
     "OutputTensor",
     "Plan",

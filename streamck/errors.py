@@ -33,3 +33,7 @@ class OutputError(StreamckError):
 
 class UsageError(StreamckError):
     """An argument the caller got wrong: a size, a dtype spelling, options that exclude each other."""
+
+
+class DeviceError(StreamckError):
+    """The device asked to cast on is missing, out of memory, or failed."""

@@ -18,6 +18,59 @@ from streamck.writer.cudacast import pipeline
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+class EagerDevice:
+    """Does a slot's work at submit time: the earliest a real device could. A host that
+    fills a slot's input after submitting it, or reads its output before, is caught."""
+
+    def __init__(self, slots: int, size: int):
+        self.inp = [bytearray(size) for _ in range(slots)]
+        self.out = [bytearray(size) for _ in range(slots)]
+        self.in_flight = self.most_in_flight = 0
+
+    def submit(self, slot: int, k: int):
+        self.out[slot][:k] = bytes(b ^ 0x5A for b in self.inp[slot][:k])
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        device = self
+
+        class Event:
+            done = False
+
+            def synchronize(self) -> None:
+                if not self.done:
+                    device.in_flight -= 1
+                    self.done = True
+
+        return Event()
+
+
+def pipeline_without_the_wait(steps, slots, read, submit, write):
+    """The negative control: ``pipeline`` with the event wait left out."""
+    pending = []
+    for i, (start, count) in enumerate(steps):
+        if len(pending) == slots:
+            slot, k, _ = pending.pop(0)
+            write(slot, k)
+        slot = i % slots
+        read(slot, start, count)
+        pending.append((slot, count, submit(slot, count)))
+    for slot, k, _ in pending:
+        write(slot, k)
+
+
+def _run_pipeline(run, device_cls, slots: int, n: int):
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    chunk = 3
+    steps = [(i, min(chunk, n - i)) for i in range(0, n, chunk)]
+    dev, written = device_cls(slots, chunk), bytearray()
+
+    def read(slot: int, start: int, k: int) -> None:
+        dev.inp[slot][:k] = data[start : start + k]
+
+    run(steps, slots, read, dev.submit, lambda slot, k: written.extend(dev.out[slot][:k]))
+    return dev, bytes(written) == bytes(b ^ 0x5A for b in data), len(steps)
+
+
 class LateDevice:
     """Does a slot's work only when its event is synchronized: the latest a real device
     could. A host that refills a slot's input, or writes its output, before that point
@@ -45,64 +98,133 @@ class LateDevice:
         return Event()
 
 
+@pytest.mark.parametrize("device_cls", [LateDevice, EagerDevice])
 @pytest.mark.parametrize("slots", [2, 3])
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 1000])
-def test_pipeline_touches_a_slot_only_after_its_work(slots, n):
-    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
-    chunk = 3
-    steps = [(i, min(chunk, n - i)) for i in range(0, n, chunk)]
-    dev, written = LateDevice(slots, chunk), bytearray()
-
-    def read(slot: int, start: int, k: int) -> None:
-        dev.inp[slot][:k] = data[start : start + k]
-
-    pipeline(steps, slots, read, dev.submit, lambda slot, k: written.extend(dev.out[slot][:k]))
-    assert bytes(written) == bytes(b ^ 0x5A for b in data)
+def test_pipeline_touches_a_slot_only_after_its_work(device_cls, slots, n):
+    dev, right, steps = _run_pipeline(pipeline, device_cls, slots, n)
+    assert right
     assert dev.in_flight == 0
-    assert dev.most_in_flight == min(slots, len(steps))  # overlapped, never more than the slots
+    assert dev.most_in_flight == min(slots, steps)  # overlapped, never more than the slots
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the real device runs the tests below")
+def test_the_late_device_catches_a_pipeline_that_does_not_wait():
+    _, right, _ = _run_pipeline(pipeline_without_the_wait, LateDevice, 2, 1000)
+    assert not right
+
+
+class StandIn:
+    """torch.cuda replaced by a synchronous stand-in on the CPU (pinned and device buffers
+    become plain ones), recording what the caster asks of it: which device was current
+    when, and which streams were waited for."""
+
+    def __init__(self, monkeypatch, count: int = 1, fail_pinned: BaseException | None = None):
+        self.current, self.synced, self.pinned_on = 0, [], []
+        real_empty, real_zeros = torch.empty, torch.zeros
+        stand_in = self
+
+        def on_cpu(kw):
+            if kw.pop("pin_memory", False):
+                if fail_pinned is not None:
+                    raise fail_pinned
+                stand_in.pinned_on.append(stand_in.current)
+            return {**kw, "device": "cpu"}
+
+        class Stream:
+            def __init__(self, *args):
+                pass
+
+            def wait_stream(self, other):
+                pass
+
+            def synchronize(self):
+                stand_in.synced.append(self)
+
+        class Event:
+            def record(self, stream):
+                pass
+
+            def synchronize(self):
+                pass
+
+        @contextlib.contextmanager
+        def device(d):
+            saved, stand_in.current = stand_in.current, torch.device(d).index
+            try:
+                yield
+            finally:
+                stand_in.current = saved
+
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **on_cpu(k)))
+        monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, **on_cpu(k)))
+        for name, value in {
+            "is_available": lambda: True,
+            "device_count": lambda: count,
+            "current_device": lambda: stand_in.current,
+            "device": device,
+            "Stream": Stream,
+            "Event": Event,
+            "current_stream": lambda device=None: Stream(),
+            "stream": lambda stream: contextlib.nullcontext(),
+            "synchronize": lambda device=None: None,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for torch.cuda where there is no GPU")
+
+
+@no_gpu
 def test_cuda_caster_host_code_with_a_stand_in_for_torch_cuda(tmp_path, monkeypatch):
-    # No GPU here: run CudaCaster's own code with torch.cuda replaced by a synchronous
-    # stand-in on the CPU (pinned and device buffers become plain ones). It checks the
-    # plumbing (slots, slices, overflow counters, the pipeline), not the device.
-    real_empty, real_zeros = torch.empty, torch.zeros
-
-    def on_cpu(kw):
-        kw.pop("pin_memory", None)
-        return {**kw, "device": "cpu"}
-
-    class Stream:
-        def __init__(self, *args):
-            pass
-
-        def wait_stream(self, other):
-            pass
-
-    class Event:
-        def record(self, stream):
-            pass
-
-        def synchronize(self):
-            pass
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **on_cpu(k)))
-    monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, **on_cpu(k)))
-    for name, value in {
-        "is_available": lambda: True,
-        "Stream": Stream,
-        "Event": Event,
-        "current_stream": lambda device=None: Stream(),
-        "stream": lambda stream: contextlib.nullcontext(),
-        "synchronize": lambda device=None: None,
-    }.items():
-        monkeypatch.setattr(torch.cuda, name, value)
+    # The plumbing (slots, slices, overflow counters, the pipeline), not the device.
+    cuda = StandIn(monkeypatch, count=2)
     plan = compile_plan(open_checkpoint(_checkpoint(tmp_path)), Rules(dtype="F16"))
-    gpu = write_plan(plan, tmp_path / "g.safetensors", chunk=40_000, device="cuda")
-    cpu = write_plan(plan, tmp_path / "c.safetensors", chunk=40_000, device="cpu")
+    gpu = write_plan(plan, tmp_path / "out" / "g.safetensors", chunk=40_000, device="cuda:1")
+    cpu = write_plan(plan, tmp_path / "out" / "c.safetensors", chunk=40_000, device="cpu")
     assert gpu.overflow == cpu.overflow != {}
-    assert (tmp_path / "g.safetensors").read_bytes() == (tmp_path / "c.safetensors").read_bytes()
+    assert (tmp_path / "out" / "g.safetensors").read_bytes() == (tmp_path / "out" / "c.safetensors").read_bytes()
+    assert cuda.pinned_on and set(cuda.pinned_on) == {1}  # made with cuda:1 current: no context on GPU 0
+    assert cuda.current == 0  # and the process's current device left as it was
+
+
+@no_gpu
+def test_a_device_ordinal_beyond_the_machine_is_one_line(tmp_path, monkeypatch, capsys):
+    from streamck.cli import main
+
+    StandIn(monkeypatch, count=1)
+    args = ["rewrite", str(_checkpoint(tmp_path)), "-o", str(tmp_path / "o" / "o.safetensors"), "--dtype", "bf16"]
+    assert main([*args, "--device", "cuda:1"]) == 2
+    err = capsys.readouterr().err
+    assert "cuda:1: this machine has 1 CUDA device(s), cuda:0 to cuda:0" in err and err.count("\n") == 1
+    assert not (tmp_path / "o" / "o.safetensors").exists()
+
+
+@no_gpu
+def test_out_of_memory_is_one_line(tmp_path, monkeypatch, capsys):
+    from streamck.cli import main
+
+    StandIn(monkeypatch, fail_pinned=torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16 MiB\nmore"))
+    args = ["rewrite", str(_checkpoint(tmp_path)), "-o", str(tmp_path / "o" / "o.safetensors"), "--dtype", "bf16"]
+    assert main([*args, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "streamck: error: --device cuda: CUDA out of memory. Tried to allocate 16 MiB\n"
+
+
+@no_gpu
+def test_an_error_mid_tensor_waits_for_the_slot_streams(tmp_path, monkeypatch):
+    from streamck import CheckpointError, Rule
+    from streamck.writer.cudacast import CudaCaster
+
+    cuda = StandIn(monkeypatch)
+    path = _checkpoint(tmp_path)
+    plan = compile_plan(open_checkpoint(path), Rules((Rule("keep", "big"),), dtype="F16"))
+    with open(path, "r+b") as f:  # the source is cut short after indexing: the read fails mid-tensor
+        f.truncate(600_000)
+    caster = CudaCaster(40_000, "cuda")
+    monkeypatch.setattr("streamck.writer.cudacast.CudaCaster", lambda *a, **k: caster)
+    with pytest.raises(CheckpointError, match="ended before"):
+        write_plan(plan, tmp_path / "o" / "g.safetensors", chunk=40_000, device="cuda")
+    assert {id(s) for *_, s in caster.slots} <= {id(s) for s in cuda.synced}
 
 
 def streamck(*args):
@@ -198,3 +320,33 @@ def test_cuda_run_casts_gathered_views_on_the_cpu(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "cpu.safetensors").read_bytes() == (tmp_path / "cuda.safetensors").read_bytes()
+
+
+@needs_gpu
+def test_no_race_with_delayed_streams_and_sync_debug(tmp_path, monkeypatch):
+    # Each slot's work is delayed on its stream (torch.cuda._sleep), chunks are 1.5 MiB over
+    # ~16 steps, and the data never repeats, so a slot refilled, or written out, before its
+    # work is done gives wrong bytes. Under sync-debug "error" any implicit synchronisation
+    # in the pipeline (a pageable copy, an .item()) is an error.
+    n = 6_000_001
+    data = (np.random.default_rng(11).standard_normal(n) * 1e3).astype(np.float32)
+    header = {"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, data.nbytes]}}
+    src = raw_file(tmp_path / "m.safetensors", header, data.tobytes())
+    real_stream = torch.cuda.stream
+
+    @contextlib.contextmanager
+    def delayed(stream):
+        with real_stream(stream):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the slot's copies
+            yield
+
+    plan = compile_plan(open_checkpoint(src), Rules(dtype="BF16"))
+    cpu = write_plan(plan, tmp_path / "out" / "cpu.safetensors", chunk=3 << 19, device="cpu")
+    monkeypatch.setattr(torch.cuda, "stream", delayed)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = write_plan(plan, tmp_path / "out" / "gpu.safetensors", chunk=3 << 19, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert gpu.overflow == cpu.overflow
+    assert (tmp_path / "out" / "gpu.safetensors").read_bytes() == (tmp_path / "out" / "cpu.safetensors").read_bytes()

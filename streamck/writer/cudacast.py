@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from streamck.errors import StreamckError
+from streamck.errors import DeviceError
 from streamck.fileio import write_all
 from streamck.source.reader import TensorStream
 from streamck.writer.cast import ITEMSIZE, can_overflow, chunk_steps, torch_dtype
@@ -56,29 +56,65 @@ def pipeline(
         finish()
 
 
+def _device_error(device: str, e: BaseException) -> DeviceError:
+    """A CUDA failure (no memory, a bad ordinal, a driver error) as one line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return DeviceError(f"--device {device}: {first}")
+
+
 class CudaCaster:
-    """``Caster.cast`` on a CUDA device: ``SLOTS`` sets of buffers of ``chunk`` bytes each."""
+    """``Caster.cast`` on a CUDA device: ``SLOTS`` sets of buffers of ``chunk`` bytes each.
+
+    Everything (pinned buffers, streams, casts) is made and run with the caster's device
+    current, so ``cuda:N`` never opens a context on GPU 0; the process's current device
+    is left as it was. Each slot's counter lives on that slot's stream, and every way
+    out of a cast waits for the slot streams, so no buffer goes back to the allocator
+    with work still queued on it.
+    """
 
     def __init__(self, chunk: int, device: str = "cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise StreamckError(f"--device {device}: no usable CUDA device (torch.cuda.is_available() is False)")
-        self.chunk, self.device = chunk, torch.device(device)
-        self.slots = [
-            (
-                torch.empty(chunk, dtype=torch.uint8, pin_memory=True),
-                torch.empty(chunk, dtype=torch.uint8, pin_memory=True),
-                torch.empty(chunk, dtype=torch.uint8, device=self.device),
-                torch.empty(chunk, dtype=torch.uint8, device=self.device),
-                torch.cuda.Stream(self.device),
-            )
-            for _ in range(SLOTS)
-        ]
+            raise DeviceError(f"--device {device}: no usable CUDA device (torch.cuda.is_available() is False)")
+        index = torch.device(device).index
+        count = torch.cuda.device_count()
+        if index is not None and index >= count:
+            raise DeviceError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        self.chunk, self.name = chunk, device
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        try:
+            with torch.cuda.device(self.device):
+                self.slots = [
+                    (
+                        torch.empty(chunk, dtype=torch.uint8, pin_memory=True),
+                        torch.empty(chunk, dtype=torch.uint8, pin_memory=True),
+                        torch.empty(chunk, dtype=torch.uint8, device=self.device),
+                        torch.empty(chunk, dtype=torch.uint8, device=self.device),
+                        torch.cuda.Stream(self.device),
+                    )
+                    for _ in range(SLOTS)
+                ]
+                self.host_counts = torch.zeros(SLOTS, dtype=torch.int64, pin_memory=True)
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError and driver errors alike
+            raise _device_error(device, e) from None
 
     def cast(self, source: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None) -> int:
         """Cast the tensor that ``source`` reads to ``dst`` and append it to the fd ``out``.
         Returns how many finite values became infinite."""
+        import torch
+
+        try:
+            with torch.cuda.device(self.device):
+                try:
+                    return self._cast(source, dst, out, progress)
+                finally:  # on any error too: queued work must finish before the buffers are reused
+                    for *_, stream in self.slots:
+                        stream.synchronize()
+        except RuntimeError as e:
+            raise _device_error(self.name, e) from None
+
+    def _cast(self, source: TensorStream, dst: str, out: int, progress: Callable[[int], None]) -> int:
         import torch
 
         ref = source.ref
@@ -86,11 +122,10 @@ class CudaCaster:
         sdt, ddt = torch_dtype(src), torch_dtype(dst)
         si, di = ITEMSIZE[src], ITEMSIZE[dst]
         check = can_overflow(src, dst)
-        # One counter per slot, each touched by its own stream only; the streams wait for
-        # the zeroing, which runs on the default stream.
-        counts = [torch.zeros((), dtype=torch.int64, device=self.device) for _ in self.slots]
-        for *_, stream in self.slots:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        counts = []
+        for *_, stream in self.slots:  # each slot's counter is made and used on its own stream only
+            with torch.cuda.stream(stream):
+                counts.append(torch.zeros((), dtype=torch.int64, device=self.device))
 
         def read(slot: int, start: int, k: int) -> None:  # steps come in order: a sequential read
             source.readinto(memoryview(self.slots[slot][0].numpy())[: k * si])
@@ -113,5 +148,8 @@ class CudaCaster:
             progress(k * di)
 
         pipeline(chunk_steps(self.chunk, ref.numel, src, dst), len(self.slots), read, submit, write)
-        torch.cuda.synchronize(self.device)
-        return sum(int(c) for c in counts)
+        for i, (*_, stream) in enumerate(self.slots):  # counters read back once per tensor, into pinned memory
+            with torch.cuda.stream(stream):
+                self.host_counts[i].copy_(counts[i], non_blocking=True)
+            stream.synchronize()
+        return int(self.host_counts.sum())
