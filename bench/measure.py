@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ class Runs:
     label: str
     walls: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)  # bytes
+    trace: list[tuple[float, int]] = field(default_factory=list)  # (seconds, RSS bytes) of the last run
 
     @property
     def wall(self) -> float:
@@ -42,22 +45,53 @@ def _peak_rss(out: str) -> list[str]:
     return [sys.executable, "-c", _RUSAGE, out]  # machines without GNU time (the GPU image)
 
 
-def run_child(cmd: list[str], settle: float = 10.0) -> tuple[float, int]:
+def _tree_rss(pid: int) -> int:
+    """RSS in bytes of ``pid``'s descendants (the wrapper itself excluded), from /proc."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack.extend(int(c) for c in f.read().split())
+            if p != pid:
+                with open(f"/proc/{p}/status") as f:
+                    total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+        except (OSError, StopIteration, ValueError):
+            continue  # gone between listing and reading
+    return total
+
+
+def run_child(cmd: list[str], settle: float = 10.0, trace: list | None = None) -> tuple[float, int]:
     """Sleep ``settle`` seconds (the host reclaims idle memory; let it), then run ``cmd``
     with output discarded; return (wall seconds, peak RSS bytes of it and its children).
 
     The child is started through /usr/bin/time (or, where that is missing, a small
     Python that reads getrusage of its one child), a small process: a child spawned
     straight from this (large) Python shares its memory until exec, and the kernel
-    counts that into the child's peak RSS.
+    counts that into the child's peak RSS. With ``trace``, (seconds, RSS of the process
+    tree) samples from /proc every ~50 ms are appended to it, for the memory plots.
     """
     time.sleep(settle)
     with tempfile.NamedTemporaryFile("r") as rss_file:
         t0 = time.perf_counter()
-        proc = subprocess.run([*_peak_rss(rss_file.name), *cmd], stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen([*_peak_rss(rss_file.name), *cmd], stdout=subprocess.DEVNULL)
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.05):
+                trace.append((time.perf_counter() - t0, _tree_rss(proc.pid)))
+
+        sampler = threading.Thread(target=sample, daemon=True) if trace is not None else None
+        if sampler:
+            sampler.start()
+        returncode = proc.wait()
         wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed with status {proc.returncode}")
+        done.set()
+        if sampler:
+            sampler.join()
+        if returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed with status {returncode}")
         return wall, int(rss_file.read().split()[-1]) * 1024
 
 
@@ -81,9 +115,11 @@ def contend(contenders: dict[str, Callable[[Path], list[str]]], out: Path, reps:
     runs = {label: Runs(label) for label in contenders}
     for rep in range(reps):
         for label, make in contenders.items():
-            wall, rss = run_child(make(out), settle)
+            trace: list[tuple[float, int]] = []
+            wall, rss = run_child(make(out), settle, trace)
             runs[label].walls.append(wall)
             runs[label].rss.append(rss)
+            runs[label].trace = trace
             print(f"  rep {rep + 1}/{reps} {label:<28} {wall:7.2f} s {mib(rss):>9}", file=sys.stderr)
             if out.is_dir():
                 shutil.rmtree(out)
@@ -101,3 +137,29 @@ def table(runs: dict[str, Runs], base: str, data_bytes: int | None = None) -> st
         walls = ", ".join(f"{w:.2f}" for w in r.walls)
         rows.append(f"| {r.label} | {r.wall:.2f} s | {r.wall / b:.2f} | {rate} | {mib(r.peak)} | {walls} |")
     return "\n".join(rows)
+
+
+def plot(runs: dict[str, Runs], path: Path, title: str) -> str:
+    """Draw every contender's RSS over time (its last run) into ``path`` (PNG); returns a
+    line for the report. matplotlib is a bench-only dependency: without it, no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(no memory plot: `pip install matplotlib` to draw one)"
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for r in runs.values():
+        if r.trace:
+            ax.plot([t for t, _ in r.trace], [m / 2**20 for _, m in r.trace], label=r.label, linewidth=1.6)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return f"![RSS over time]({path.relative_to(path.parents[1])})"

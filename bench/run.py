@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import PY, contend, cp_fsync, mib, run_child, streamck, table  # noqa: E402
+from measure import PY, contend, cp_fsync, mib, plot, run_child, streamck, table  # noqa: E402
 from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards  # noqa: E402
 
 from streamck.writer import parse_size  # noqa: E402
@@ -43,6 +43,11 @@ CASES: dict[str, Callable[[argparse.Namespace, Path], str]] = {}
 def case(fn):
     CASES[fn.__name__.removeprefix("case_")] = fn
     return fn
+
+
+def chart(a: argparse.Namespace, runs: dict, name: str, title: str) -> str:
+    """The case's RSS-over-time plot, bench/results/NAME.png, drawn only when recording."""
+    return "" if a.no_record else "\n\n" + plot(runs, HERE / "results" / f"{name}.png", title)
 
 
 def checkpoints(a: argparse.Namespace, tmp: Path) -> tuple[int, int, Path, Path, int]:
@@ -73,6 +78,7 @@ def case_rewrite(a: argparse.Namespace, tmp: Path) -> str:
         + f"\n\nstreamck peak RSS as the checkpoint grows: {mib(s_rss)} at "
         f"{size // 4 / 2**30:.2f} GiB (largest tensor {embed // 4 / 2**30:.2f} GiB) vs "
         f"{mib(runs['streamck rewrite'].peak)} at {size / 2**30:.2f} GiB."
+        + chart(a, runs, "rewrite", f"rewrite of a {data / 2**30:.1f} GiB checkpoint: RSS over time")
     )
 
 
@@ -112,6 +118,7 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
         f"streamck peak RSS: {mib(s_rss)} at {size // 4 / 2**30:.2f} GiB (largest tensor "
         f"{embed // 4 / 2**30:.2f} GiB) vs {mib(runs['streamck --dtype bf16'].peak)} at {size / 2**30:.2f} GiB; "
         f"`python -c 'import torch'` alone peaks at {mib(torch_rss)}."
+        + chart(a, runs, "cast", f"F32→BF16 cast of {data / 2**30:.1f} GiB: RSS over time")
     )
 
 
@@ -326,6 +333,7 @@ def case_dcp(a: argparse.Namespace, tmp: Path) -> str:
         f"(.distcp) at {_dir_bytes(small['hf']) / 2**30:.2f} GiB vs "
         f"{mib(runs['streamck rewrite (sharded safetensors)'].peak)} and "
         f"{mib(runs['streamck rewrite (.distcp)'].peak)} at {data / 2**30:.2f} GiB."
+        + chart(a, runs, "dcp", f"consolidating a {data / 2**30:.1f} GiB DCP checkpoint: RSS over time")
     )
 
 
@@ -389,6 +397,7 @@ def case_zero(a: argparse.Namespace, tmp: Path) -> str:
         f"{a.reps} interleaved reps, {a.settle:.0f} s settle; throughput is of the step directory.\n\n"
         + table(runs, "cp -r + sync (global_step1)", data)
         + "".join(f"\n\n{n}" for n in notes)
+        + chart(a, runs, "zero", f"consolidating ZeRO-3 ({data / 2**30:.1f} GiB step dir): RSS over time")
     )
 
 
