@@ -156,6 +156,8 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
                 "--device",
                 "cpu",
                 "--verify",
+                "--format",
+                "torch",
                 "-q",
             ]
         )
@@ -168,6 +170,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         "device": "cpu",
         "verify": True,
         "progress": False,
+        "format": "torch",
     }
 
 

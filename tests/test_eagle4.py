@@ -1,4 +1,4 @@
-"""--plan eagle4 against shared/eagle4-layout.md: exports and every refusal."""
+"""--plan eagle4 against docs/eagle4.md: exports and every refusal."""
 
 import json
 import subprocess

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamck.errors import StreamckError, UsageError
+from streamck.errors import PlanError, StreamckError, UsageError
+from streamck.globs import check_glob
 from streamck.manifest import checkpoint_manifest, load_manifest
 from streamck.source import Checkpoint, open_checkpoint
 
@@ -191,7 +192,12 @@ def diff(
 ) -> DiffResult:
     """Compare two checkpoints or manifests: names, dtypes, shapes; digests where either
     side has them; tensor bytes with ``data=True`` (both sides must be checkpoints).
-    ``ignore`` globs leave names out of every comparison."""
+    ``ignore`` globs leave names out of every comparison (checked first, as rewrite's are)."""
+    for glob in ignore:
+        try:
+            check_glob(glob)
+        except PlanError as e:
+            raise UsageError(f"--ignore: {e}") from None
     sa = a if isinstance(a, Side) else load_side(a)
     sb = b if isinstance(b, Side) else load_side(b)
     if data and (sa.checkpoint is None or sb.checkpoint is None):

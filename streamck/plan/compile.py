@@ -12,7 +12,7 @@ from streamck.errors import PlanError, listing
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
 from streamck.source.header import METADATA_KEY
-from streamck.source.layout import SIDE_FILES
+from streamck.source.layout import side_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,10 @@ class Plan:
     """Everything a rewrite writes: tensors, header metadata, and small files beside them.
 
     ``files`` must be written beside the tensors (so the output must be a directory);
-    ``side_files`` go there when it is one (config, tokenizer): a path is copied, bytes
-    (a config edited for a cast) are written. ``summary``
-    holds lines a dry run prints above the tensor table; ``single_file`` forbids
+    ``side_files`` go there when it is one (config, tokenizer): a path (a file, or a folder
+    copied whole) is copied, bytes (a config edited for a cast) are written. ``summary``
+    holds lines a dry run prints above the tensor table; ``notices`` lines a user should
+    hear (rules that did nothing), which the library never prints; ``single_file`` forbids
     sharding (a plan whose consumer loads exactly one model.safetensors).
     """
 
@@ -54,15 +55,17 @@ class Plan:
     summary: list[str] = field(default_factory=list)
     single_file: bool = False
     side_files: dict[str, Path | bytes] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
 
     @property
     def total_size(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
 
-def resolve_dtype(rules: Rules, ref: TensorRef) -> str:
-    """The dtype ``ref`` is written in under ``rules``; a --cast naming a non-float tensor is an error."""
-    explicit = rules.cast_for(ref.name)
+def resolve_dtype(rules: Rules, ref: TensorRef, used: set[int] | None = None) -> str:
+    """The dtype ``ref`` is written in under ``rules``; a --cast naming a non-float tensor is an error.
+    ``used`` collects the index of the deciding --cast (see Rules.unused)."""
+    explicit = rules.cast_for(ref.name, used)
     if explicit is not None and ref.dtype not in CASTABLE:
         raise PlanError(f"--cast matches {ref.name!r}, a {ref.dtype} tensor, which is never cast")
     dtype = explicit or (rules.dtype if rules.dtype is not None and ref.dtype in CASTABLE else ref.dtype)
@@ -72,39 +75,55 @@ def resolve_dtype(rules: Rules, ref: TensorRef) -> str:
 def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_files: bool = True) -> Plan:
     """Apply ``rules`` to every tensor of ``checkpoint`` and return the output plan.
 
-    With ``copy_files``, a directory checkpoint's config and tokenizer files go along
-    (copied when the output is a directory). Raises PlanError, before anything is
+    With ``copy_files``, a directory checkpoint's other files (config, tokenizer, custom
+    code: see side_files) go along, copied when the output is a directory. Raises PlanError, before anything is
     written, when two tensors land on one name, when nothing is left, or when a cast
     names a non-floating tensor.
     """
     rules = rules or Rules()
     by_name: dict[str, list[str]] = defaultdict(list)
     tensors = []
+    used: set[int] = set()
     for ref in checkpoint.tensors.values():
-        out = rules.output_name(ref.name)
+        out = rules.output_name(ref.name, used)
         if out is None:
             continue
         by_name[out].append(ref.name)
-        tensors.append(OutputTensor(out, ref, resolve_dtype(rules, ref)))
-    collisions = [f"{', '.join(srcs)} -> {out}" for out, srcs in by_name.items() if len(srcs) > 1]
-    if collisions:
-        raise PlanError(f"{len(collisions)} output names collide: {listing(collisions, 5)}")
-    bad = [repr(n) for n in by_name if not n or n == METADATA_KEY]
-    if bad:
-        raise PlanError(f"rules produce invalid tensor names: {listing(bad)}")
-    if not tensors:
+        tensors.append(OutputTensor(out, ref, resolve_dtype(rules, ref, used)))
+    _check_names(by_name)
+    if not tensors and checkpoint.tensors:  # a checkpoint of no tensors rewrites to an empty file
         raise PlanError(f"the rules leave no tensor out of {len(checkpoint.tensors)}")
     metadata = {**checkpoint.metadata}
     metadata.setdefault("format", "pt")
     tensors.sort(key=lambda t: t.name)
     side: dict[str, Path | bytes] = {}
     summary: list[str] = []
-    if copy_files and checkpoint.path.is_dir():
-        root = checkpoint.side_root or checkpoint.root
-        side = {n: root / n for n in SIDE_FILES if (root / n).is_file()}
+    if copy_files and not checkpoint.path.is_file():  # a directory, or a repo id that resolved to one
+        side = dict(side_files(checkpoint.side_root or checkpoint.root))
         if rules.dtype and "config.json" in side:
-            side["config.json"], summary = _config_cast(root / "config.json", rules.dtype)
-    return Plan(tensors, metadata, source=checkpoint, summary=summary, side_files=side)
+            side["config.json"], summary = _config_cast(side["config.json"], rules.dtype)
+        if side:
+            names = [n + "/" if isinstance(p, Path) and p.is_dir() else n for n, p in side.items()]
+            summary.append(f"copied into a directory output: {', '.join(names)}")
+    plan = Plan(tensors, metadata, source=checkpoint, summary=summary, side_files=side)
+    plan.notices = rules.unused(used)
+    return plan
+
+
+def _more(items: list[str], shown: int) -> str:
+    return f" (+{len(items) - shown} more)" if len(items) > shown else ""
+
+
+def _check_names(by_name: dict[str, list[str]]) -> None:
+    """Refuse output names two sources share, or that no file can hold. A rename gone wrong
+    can send thousands of tensors to one name: the message shows counts and the first few pairs."""
+    collisions = [(out, srcs) for out, srcs in by_name.items() if len(srcs) > 1]
+    if collisions:
+        pairs = [f"{', '.join(srcs[:2])}{_more(srcs, 2)} -> {out}" for out, srcs in collisions]
+        raise PlanError(f"{len(collisions)} output names collide: {listing(pairs, 5)}")
+    bad = [repr(n) for n in by_name if not n or n == METADATA_KEY]
+    if bad:
+        raise PlanError(f"rules produce invalid tensor names: {listing(bad)}")
 
 
 def _config_cast(path: Path, dtype: str) -> tuple[Path | bytes, list[str]]:

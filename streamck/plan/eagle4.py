@@ -1,6 +1,6 @@
 """``--plan eagle4``: a trained EAGLE-4 draft in the ``LlamaForCausalLMEagle4`` serving layout.
 
-The contract is ``shared/eagle4-layout.md``; its tables are data in
+The contract is ``docs/eagle4.md``; its tables are data in
 ``eagle4_layout.py``, and the checks here are written against them.
 """
 
@@ -30,13 +30,17 @@ from streamck.plan.eagle4_layout import (
 )
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
-from streamck.source.layout import CONSOLIDATED, HF_METADATA
+from streamck.source.layout import CONSOLIDATED, HF_METADATA, hub_snapshot
+
+# Keys only an EAGLE draft's config has: without any, the config is some other model's.
+DRAFT_MARKS = ("eagle", "efficient_lm_head")
 
 
 def find_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The given directory if it holds config.json, else its ``model/consolidated``, else the
-    config written beside a step's shards (``model/.hf_metadata``)."""
-    path = Path(path)
+    config written beside a step's shards (``model/.hf_metadata``); for a Hugging Face cache
+    entry or repo id, its snapshot."""
+    path = hub_snapshot(Path(path))
     for candidate in (path, path / CONSOLIDATED, path / HF_METADATA):
         if (candidate / "config.json").is_file():
             return candidate
@@ -63,12 +67,19 @@ def _positive_int(value: object) -> bool:
 def structure(config: dict, where: Path) -> dict[str, int]:
     """Check the training config and return the shape symbols (H, T, A, nh, nkv, d, I, V, R).
 
-    Raises PlanError naming the first missing, mistyped or unsupported key.
+    Raises PlanError saying the config is no EAGLE draft's at all (a target model's, given by
+    mistake), or naming the first missing, mistyped or unsupported key.
     """
 
     def refuse(message: str) -> PlanError:
         return PlanError(message, where)
 
+    if not any(k.startswith(DRAFT_MARKS) for k in config):
+        kind = ", ".join(map(str, config.get("architectures") or [])) or config.get("model_type") or "a model"
+        raise refuse(
+            f"is not an EAGLE draft's config ({kind}, no eagle_config or efficient_lm_head keys): "
+            "--plan eagle4 exports a trained EAGLE-4 draft"
+        )
     for key in REQUIRED_SIZES:
         if key not in config:
             raise refuse(f"required key {key!r} is missing")

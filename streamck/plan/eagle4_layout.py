@@ -1,4 +1,4 @@
-"""The EAGLE-4 contract (``shared/eagle4-layout.md``) as data: the config key lists, the
+"""The EAGLE-4 contract (``docs/eagle4.md``) as data: the config key lists, the
 shape symbols, and the training → serving tensor table. ``eagle4.py`` holds the checks."""
 
 ARCHITECTURE = "LlamaForCausalLMEagle4"

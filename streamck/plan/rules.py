@@ -12,6 +12,7 @@ from pathlib import Path
 
 from streamck.dtypes import castable_dtype
 from streamck.errors import PlanError
+from streamck.globs import check_glob
 
 RENAMES = ("strip_prefix", "add_prefix", "rename")
 FILTERS = ("drop", "keep")
@@ -31,7 +32,7 @@ class Rule:
         if self.kind == "rename":
             self.regex  # noqa: B018  (compile now, so a bad pattern fails before any work)
         if self.kind in FILTERS:
-            _check_glob(self.arg)
+            check_glob(self.arg)
         if self.kind == "cast":
             self.cast  # noqa: B018
 
@@ -52,29 +53,11 @@ class Rule:
         glob, sep, dtype = self.arg.rpartition("=")
         if not sep or not glob:
             raise PlanError(f"--cast {self.arg!r}: expected GLOB=DTYPE")
-        _check_glob(glob)
+        check_glob(glob)
         try:
             return glob, castable_dtype(dtype)
         except ValueError as e:
             raise PlanError(f"--cast {self.arg!r}: {e}") from None
-
-
-def _check_glob(glob: str) -> None:
-    """fnmatch reads any string, silently treating an unclosed ``[`` as a literal and a
-    reversed range as empty; both are almost always typos, so refuse them."""
-    if not glob:
-        raise PlanError("empty glob")
-    i = 0
-    while (i := glob.find("[", i)) >= 0:
-        j = i + 1 + (glob[i + 1 : i + 2] == "!")
-        close = glob.find("]", j + 1)
-        if close < 0:
-            raise PlanError(f"invalid glob {glob!r}: '[' at {i} is never closed")
-        body = glob[j:close]
-        for k in range(1, len(body) - 1):
-            if body[k] == "-" and body[k - 1] > body[k + 1]:
-                raise PlanError(f"invalid glob {glob!r}: reversed range {body[k - 1]}-{body[k + 1]}")
-        i = close + 1
 
 
 @dataclass(frozen=True)
@@ -94,15 +77,22 @@ class Rules:
     def __add__(self, other: Rules) -> Rules:
         return Rules(self.rules + other.rules, other.dtype or self.dtype)
 
-    def output_name(self, name: str) -> str | None:
-        """The name ``name`` gets in the output, or None if a filter drops it."""
-        keeps = [r.arg for r in self.rules if r.kind == "keep"]
-        if keeps and not any(fnmatch.fnmatchcase(name, g) for g in keeps):
+    def output_name(self, name: str, used: set[int] | None = None) -> str | None:
+        """The name ``name`` gets in the output, or None if a filter drops it. ``used`` collects
+        the indexes of the rules that acted on it (kept, dropped or changed it)."""
+        used = set() if used is None else used
+        keeps = [i for i, r in enumerate(self.rules) if r.kind == "keep"]
+        kept = [i for i in keeps if fnmatch.fnmatchcase(name, self.rules[i].arg)]
+        used.update(kept)
+        if keeps and not kept:
             return None
-        if any(fnmatch.fnmatchcase(name, r.arg) for r in self.rules if r.kind == "drop"):
+        drops = [i for i, r in enumerate(self.rules) if r.kind == "drop" and fnmatch.fnmatchcase(name, r.arg)]
+        if drops:
+            used.update(drops)
             return None
         out = name
-        for rule in self.rules:
+        for i, rule in enumerate(self.rules):
+            before = out
             if rule.kind == "strip_prefix" and out.startswith(rule.arg):
                 out = out[len(rule.arg) :]
             elif rule.kind == "add_prefix":
@@ -110,16 +100,42 @@ class Rules:
             elif rule.kind == "rename":
                 regex, repl = rule.regex
                 out = regex.sub(repl, out)
+            if out != before:
+                used.add(i)
         return out
 
-    def cast_for(self, name: str) -> str | None:
-        """The dtype source tensor ``name`` is cast to (last matching --cast, else --dtype)."""
-        for rule in reversed(self.rules):
+    def cast_for(self, name: str, used: set[int] | None = None) -> str | None:
+        """The dtype source tensor ``name`` is cast to (last matching --cast, else --dtype);
+        ``used`` collects the index of the --cast that decides it."""
+        for i in reversed(range(len(self.rules))):
+            rule = self.rules[i]
             if rule.kind == "cast":
                 glob, dtype = rule.cast
                 if fnmatch.fnmatchcase(name, glob):
+                    if used is not None:
+                        used.add(i)
                     return dtype
         return None
+
+    def unused(self, used: set[int]) -> list[str]:
+        """A line for each rule whose index is not in ``used``: a rule that did nothing is
+        most often a typo, or meant for another checkpoint, and the output shows no sign of it."""
+        return [
+            f"--{r.kind.replace('_', '-')} {r.arg!r} {NO_EFFECT[r.kind]}"
+            for i, r in enumerate(self.rules)
+            if i not in used
+        ]
+
+
+# What a rule that acted on no tensor did, for the notice.
+NO_EFFECT = {
+    "strip_prefix": "matches nothing: no tensor name starts with it",
+    "add_prefix": "changes no name",
+    "rename": "renames nothing: it matches no tensor name",
+    "drop": "drops nothing: it matches no tensor name",
+    "keep": "matches no tensor name",
+    "cast": "casts nothing: it matches no tensor name, or a later --cast wins",
+}
 
 
 def rules_from(items: Iterable[Rule | Mapping[str, str]]) -> tuple[Rule, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,20 +26,39 @@ DCP_METADATA = ".metadata"
 # Automodel: a step being written holds this file; the model's side files live here.
 INCOMPLETE = ".incomplete"
 HF_METADATA = Path("model", ".hf_metadata")
-# Small files that make a directory a loadable model; copied beside a directory output.
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "preprocessor_config.json",
+# What a directory output leaves behind of the source directory: weights (streamck writes
+# its own), their indexes, and training state, which no loader reads. Everything else
+# (config, every tokenizer file, custom code, README) goes along.
+NOT_SIDE_FILES = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt*",
+    "*.h5",
+    "*.msgpack",
+    "*.gguf",
+    "*.onnx",
+    "*.onnx_data",
+    "*.distcp",
+    "*.index.json",
+    "shard-*",
+    "optimizer*",
+    "scheduler.pt",
+    "rng_state*",
+    "random_states*",
+    "trainer_state.json",
+    "zero_to_fp32.py",
+    "latest",
+    "LATEST",
+    "LATEST.txt",
+    "fqn_to_file_index_mapping.json",
+    "events.out.tfevents*",
 )
+# sentence-transformers lists its module folders (``1_Pooling/``) here; they go along whole.
+ST_MODULES = "modules.json"
+# A repo id read from the local Hugging Face cache: ``org/name``.
+REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 @dataclass(frozen=True)
@@ -152,8 +173,83 @@ def _automodel_step(path: Path) -> Layout | None:
     return Layout(found.root, found.shards, kind=found.kind, side_root=side if side.is_dir() else found.root)
 
 
+def side_files(root: Path) -> dict[str, Path]:
+    """What a directory output copies from ``root``, by name: every file that is not a weight,
+    an index or training state (NOT_SIDE_FILES) nor hidden (temporaries, DCP's ``.metadata``),
+    since loaders need files no list foresees (tokenizers, custom code); and the module
+    folders a sentence-transformers ``modules.json`` names. Other folders stay behind: in a
+    training directory they are steps and optimizer state."""
+    found = {p.name: p for p in sorted(root.iterdir()) if p.is_file() and not _left_behind(p.name)}
+    return found | {d.name: d for d in _st_modules(root)}
+
+
+def _left_behind(name: str) -> bool:
+    return name.startswith(".") or any(fnmatch.fnmatchcase(name, g) for g in NOT_SIDE_FILES)
+
+
+def _st_modules(root: Path) -> list[Path]:
+    """The module folders of a sentence-transformers model (``1_Pooling/``); none if unreadable."""
+    try:
+        modules = orjson.loads((root / ST_MODULES).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return []
+    paths = [m.get("path") for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+    return [
+        root / rel
+        for rel in paths
+        if isinstance(rel, str) and rel not in ("", ".", "..") and "/" not in rel and (root / rel).is_dir()
+    ]
+
+
+def joins_shards(directory: Path, name: str) -> bool:
+    """Whether a file ``name`` written into the checkpoint directory ``directory`` would be read
+    as one of its shards from then on (no index there says which files are), so that the
+    source would no longer open, or would open as something else."""
+    if any((directory / n).is_file() for n in INDEX_NAMES):
+        return False
+    return any(fnmatch.fnmatchcase(name, g) for g in (*SHARD_GLOBS, DCP_SHARDS, "*.distcp"))
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps downloads: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub`` (under ``XDG_CACHE_HOME`` when set, as huggingface_hub does)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home, "hub").expanduser()
+
+
+def hub_snapshot(path: Path) -> Path:
+    """``path`` itself; or for a Hugging Face cache entry (``models--org--name``), or a repo id
+    (``org/name`` that is no path here) found in the local cache, the snapshot ``refs/main``
+    names. Never the network: a repo id that is not cached is an error saying so."""
+    if not path.exists() and REPO_ID.match(path.as_posix()):
+        cached = hub_cache() / ("models--" + path.as_posix().replace("/", "--"))
+        if not cached.is_dir():
+            raise CheckpointError(
+                f"no such path, nor a repo in the Hugging Face cache {hub_cache()} "
+                f"(streamck never downloads: run `huggingface-cli download {path}` first)",
+                path,
+            )
+        path = cached
+    snapshots = path / "snapshots"
+    if not (path.name.startswith("models--") and snapshots.is_dir()):
+        return path
+    ref = path / "refs" / "main"
+    if ref.is_file():
+        commit = ref.read_text().strip()
+        if not (commit not in ("", "..") and Path(commit).name == commit and (snapshots / commit).is_dir()):
+            raise CheckpointError(f"refs/main names snapshot {commit!r}, which is not in snapshots/", path)
+        return snapshots / commit
+    found = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    if len(found) != 1:
+        raise CheckpointError(f"no refs/main, and {len(found)} snapshots: give snapshots/<commit> itself", path)
+    return snapshots / found[0]
+
+
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
+    path = hub_snapshot(path)
     if path.is_file():
         if path.name in INDEX_NAMES:
             return find_layout(path.parent)

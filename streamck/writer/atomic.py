@@ -156,13 +156,14 @@ def _is_weights(name: str) -> bool:
 
 
 def _foreign(directory: Path, writes: Iterable[str]) -> list[str]:
-    """What ``directory`` holds that --force may not replace: anything but files (or links)
-    that this output writes or that are weights and indexes of an earlier export."""
+    """What ``directory`` holds that --force may not replace: anything but what this output
+    writes (files, and folders it writes whole) and files that are weights and indexes of
+    an earlier export."""
     ours = set(writes)
     return sorted(
         p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
         for p in directory.iterdir()
-        if not ((p.is_symlink() or p.is_file()) and (p.name in ours or _is_weights(p.name)))
+        if not (p.name in ours or ((p.is_symlink() or p.is_file()) and _is_weights(p.name)))
     )
 
 
@@ -254,13 +255,16 @@ def _commit(tmp: Path, final: Path, is_dir: bool, force: bool) -> None:
             raise OutputError("appeared while writing (another run?); pass --force to replace it", final) from None
         tmp.unlink()
         return
-    try:
-        os.rename(tmp, final)  # succeeds over an empty directory only
+    if final.is_dir() and not final.is_symlink():
+        # An existing directory is filled, never swapped: it may be a shell's working directory or a mount point.
+        if not force and any(final.iterdir()):
+            raise OutputError("appeared while writing (another run?); pass --force to replace it", final)
+        _merge(tmp, final)
         return
+    try:
+        os.rename(tmp, final)
     except OSError:
-        if not force or not (final.exists() or final.is_symlink()):
-            raise OutputError("appeared while writing (another run?); pass --force to replace it", final) from None
-    _merge(tmp, final)
+        raise OutputError("appeared while writing (another run?); pass --force to replace it", final) from None
 
 
 def _merge(tmp: Path, final: Path) -> None:
@@ -275,12 +279,23 @@ def _merge(tmp: Path, final: Path) -> None:
         raise OutputError("appeared while writing and is not a directory", final)
     new = [p.name for p in tmp.iterdir()]
     _refuse_foreign(final, new)
-    for name in new:
-        os.replace(tmp / name, final / name)
+    _move_into(tmp, final)
     for stale in _stale(final, new):
         stale.unlink(missing_ok=True)
     fsync_dir(final)
-    tmp.rmdir()
+
+
+def _move_into(src: Path, dst: Path) -> None:
+    """Rename every entry of ``src`` over its namesake in ``dst``, folders merged file by file
+    (a folder the output writes, such as ``1_Pooling/``, may already be there); ``src`` goes."""
+    for entry in src.iterdir():
+        target = dst / entry.name
+        if entry.is_dir() and target.is_dir() and not target.is_symlink():
+            _move_into(entry, target)
+        else:
+            os.replace(entry, target)
+    fsync_dir(dst)
+    src.rmdir()
 
 
 def _stale(final: Path, new: list[str]) -> list[Path]:

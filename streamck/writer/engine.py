@@ -12,6 +12,7 @@ from pathlib import Path
 
 from streamck.errors import OutputError, UsageError
 from streamck.plan import Plan
+from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
 from streamck.writer.atomic import atomic_output, check_target
 from streamck.writer.layout import (
@@ -96,7 +97,7 @@ def write_plan(
         if format not in (None, "safetensors"):
             raise UsageError("-o - streams one safetensors file; write a torch archive to a path")
         return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
-    out = Path(out)
+    out = _target(out)
     named = file_format(out)
     single = named is not None
     if format is not None and format not in FORMATS:
@@ -113,13 +114,15 @@ def write_plan(
     if single and plan.files:
         raise OutputError(f"this plan also writes {', '.join(plan.files)}; give a directory output", out)
     sources = list(plan.source.files) if plan.source else []
+    if single and plan.source is not None:
+        _refuse_joining(out, plan)
     check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
     default = TORCH_SINGLE_NAME if format == "torch" else SINGLE_NAME
     shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format)
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache, bar)
     if any(t.is_cast for t in plan.tensors):
-        writer.get_caster()  # a missing CUDA device is an error before any file exists
+        _caster(writer)  # a missing torch or CUDA device is an error before any file exists
     syncer = Syncer(drop_cache)
     with ExitStack() as stack:
         stack.callback(bar.close)
@@ -145,6 +148,40 @@ def write_plan(
     return WriteResult(files, plan.total_size, writer.overflow)
 
 
+def _target(out: str | os.PathLike) -> Path:
+    """``out`` as a path with a name: ``.``, ``./``, ``..`` name an existing directory by a
+    spelling that has none, and the temporary beside the target needs one."""
+    if not os.fspath(out):
+        raise UsageError("the output path is empty")
+    path = Path(out)
+    return Path(os.path.abspath(path)) if path.name in ("", ".", "..") else path
+
+
+def _refuse_joining(out: Path, plan: Plan) -> None:
+    """A file output written into the source's own directory, where it would be read as one
+    of its shards from then on, is refused: the source would no longer open as it did."""
+    src = plan.source
+    if src.path.is_file():
+        return  # one file was asked for: what lies beside it is no part of it
+    if out.parent.resolve() in (src.root.resolve(), src.path.resolve()) and joins_shards(out.parent, out.name):
+        raise OutputError(
+            "is inside the source checkpoint's directory and would be read as one of its shards from then on; "
+            "write it elsewhere",
+            out,
+        )
+
+
+def _caster(writer: ShardWriter) -> None:
+    """Make the run's caster now: torch, an optional dependency, may not be installed."""
+    try:
+        writer.get_caster()
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        what = f"casting on {writer.device}" if writer.device not in (None, "cpu") else "casting"
+        raise UsageError(f"{what} needs torch, which is not installed: pip install 'streamck[cast]'") from None
+
+
 def _write_extras(plan: Plan, shards: list[Shard], directory: Path) -> list[str]:
     """The index (when sharded), the plan's files and its side files, fsynced; their names."""
     files = dict(plan.files)
@@ -154,14 +191,22 @@ def _write_extras(plan: Plan, shards: list[Shard], directory: Path) -> list[str]
     for name, data in extras.items():
         if isinstance(data, bytes):
             (directory / name).write_bytes(data)
+        elif data.is_dir():  # a sentence-transformers module folder, copied whole
+            shutil.copytree(data, directory / name)
         else:
             shutil.copyfile(data, directory / name)
-        fd = os.open(directory / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        dest = directory / name
+        for path in [dest, *dest.rglob("*")] if dest.is_dir() else [dest]:
+            _fsync(path)
     return sorted(extras)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _to_stdout(
@@ -185,9 +230,13 @@ def _to_stdout(
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache=False, progress=bar)
     if any(t.is_cast for t in plan.tensors):
-        writer.get_caster()
+        _caster(writer)
     try:
         writer.write(shard, fd)
+    except BrokenPipeError:
+        raise  # the reader went away: the CLI says so in its own words
+    except OSError as e:
+        raise OutputError(f"write failed: {e.strerror or e}", e.filename or "stdout") from None
     finally:
         writer.close()
         bar.close()
