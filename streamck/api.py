@@ -15,7 +15,7 @@ from typing import Any
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
 from streamck.errors import UsageError
-from streamck.plan import BUILTIN_PLANS, Plan, Rule, Rules, compile_plan, load_rules
+from streamck.plan import BUILTIN_PLANS, VERIFIER_PLANS, Plan, Rule, Rules, compile_plan, load_rules
 from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint, open_checkpoint
 from streamck.source.layout import pick_step
@@ -41,6 +41,7 @@ def build_plan(
     key: str | None = None,
     zero: bool = False,
     copy_files: bool = True,
+    verifier: str | None = None,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files.
@@ -55,7 +56,12 @@ def build_plan(
         if isinstance(source, Checkpoint):
             raise UsageError(f"plan {plan!r} opens its own source: pass a path, not a Checkpoint")
         path = pick_step(Path(source), step) if step is not None else source
-        return BUILTIN_PLANS[os.fspath(plan)](path, given)
+        extra = {"verifier": verifier} if verifier is not None else {}
+        if extra and os.fspath(plan) not in VERIFIER_PLANS:
+            raise UsageError(f"verifier applies to plan {', '.join(sorted(VERIFIER_PLANS))} only, not {plan!r}")
+        return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
+    if verifier is not None:
+        raise UsageError(f"verifier applies to plan {', '.join(sorted(VERIFIER_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     return compile_plan(_checkpoint(source, step, key, zero), base + given, copy_files=copy_files)
 
@@ -79,6 +85,7 @@ def rewrite(
     verify: bool = False,
     device: str | None = None,
     drop_cache: bool = False,
+    verifier: str | None = None,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -88,7 +95,8 @@ def rewrite(
     maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
     size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
     ``.pth`` output name does too); ``key``/``zero`` choose what a torch pickle or a
-    DeepSpeed checkpoint is read as (see open_checkpoint). Memory stays near one chunk.
+    DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the target model
+    named in ``plan="eagle3-speculators"``'s config. Memory stays near one chunk.
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -101,7 +109,16 @@ def rewrite(
     from streamck.writer import parse_size
 
     compiled = build_plan(
-        source, rules=rules, plan=plan, dtype=dtype, casts=casts, step=step, key=key, zero=zero, copy_files=copy_files
+        source,
+        rules=rules,
+        plan=plan,
+        dtype=dtype,
+        casts=casts,
+        step=step,
+        key=key,
+        zero=zero,
+        copy_files=copy_files,
+        verifier=verifier,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(

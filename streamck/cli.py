@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streamck import manifest
+from streamck import __version__, manifest
 from streamck.errors import StreamckError, UsageError
-from streamck.plan import BUILTIN_PLANS, Rule, Rules, compile_plan, load_rules
+from streamck.plan import BUILTIN_PLANS, VERIFIER_PLANS, Rule, Rules, compile_plan, load_rules
 from streamck.source import open_checkpoint
 from streamck.source.layout import pick_step
 from streamck.writer import parse_size, write_plan
@@ -90,13 +90,26 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _compile(args: argparse.Namespace):
+    """The plan for ``rewrite``, its notices on stderr."""
+    plan = _build(args)
+    for line in plan.notices:
+        print(f"streamck: note: {line}", file=sys.stderr)
+    return plan
+
+
+def _build(args: argparse.Namespace):
     """The plan for ``rewrite``: a built-in one by name, or rules from a file and the command line."""
     cli_rules = Rules(tuple(args.rules or ()), args.dtype)
     src = pick_step(Path(args.src), args.step) if args.step is not None else args.src
     if args.plan in BUILTIN_PLANS:
         if args.key is not None or args.zero:
             raise UsageError(f"--key and --zero do not apply to --plan {args.plan}, which reads safetensors")
-        return BUILTIN_PLANS[args.plan](src, cli_rules)
+        extra = {"verifier": args.verifier} if args.verifier is not None else {}
+        if extra and args.plan not in VERIFIER_PLANS:
+            raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))}, not {args.plan}")
+        return BUILTIN_PLANS[args.plan](src, cli_rules, **extra)
+    if args.verifier is not None:
+        raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
     base = load_rules(args.plan) if args.plan else Rules()
     ckpt = _note(open_checkpoint(src, None, args.key, args.zero))
     return compile_plan(ckpt, base + cli_rules, copy_files=not args.no_copy_files)
@@ -199,6 +212,7 @@ def _source_options(parser: argparse.ArgumentParser, step: bool = True) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamck", description="Memory-streaming safetensors rewriter.")
+    parser.add_argument("--version", action="version", version=f"streamck {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
@@ -233,7 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cast matching floating tensors; wins over --dtype, last match wins",
     )
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
-    rules.add_argument("--plan", help="a built-in plan (eagle4) or a TOML plan file (its rules come first)")
+    rules.add_argument(
+        "--plan",
+        help="a built-in plan (eagle4, eagle3, eagle3-speculators) or a TOML plan file (its rules come first)",
+    )
+    rules.add_argument(
+        "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
+    )
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(
         "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"

@@ -1,0 +1,314 @@
+"""``--plan eagle3`` and ``--plan eagle3-speculators``: a NeMo Automodel EAGLE-3 draft in
+the one layout vLLM and SGLang both load, or in the speculators 0.9 format.
+
+The tables (and the engine versions they were read from) are data in ``eagle3_layout.py``;
+the checks here run against them, all before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from streamck.dtypes import TORCH_NAMES
+from streamck.errors import PlanError, UsageError
+from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
+from streamck.plan.eagle3_layout import (
+    AUX_LAYER_KEYS,
+    AUX_STATES,
+    DTYPE_KEYS,
+    ENGINE_VERSIONS,
+    EXPLICIT_FLAGS,
+    FC_NORM,
+    LAYER_CONFIG_SET,
+    LAYER_PREFIX,
+    LLAMA_CONFIG,
+    OPTIONAL_SIZES,
+    PEAGLE_CONFIG_KEYS,
+    PEAGLE_TENSORS,
+    PROPOSAL,
+    REFUSED_FLAGS,
+    REQUIRED_SIZES,
+    SET_CONFIG,
+    SPECULATORS_SET,
+    SPECULATORS_VERSION,
+    STRUCTURE_LABELS,
+    SYMBOLS,
+    TENSORS,
+    VOCAB_MAP,
+)
+from streamck.plan.eagle4 import _listing, _load_config, find_checkpoint_dir
+from streamck.plan.rules import Rules
+from streamck.source import open_checkpoint
+from streamck.source.layout import HF_METADATA
+
+Row = tuple[str, str, tuple[str, ...], tuple[str, ...]]
+
+
+def _positive_int(value: object) -> bool:
+    return type(value) is int and value > 0
+
+
+def aux_layer_ids(config: dict) -> list[int] | None:
+    """The aux layer ids from ``eagle_config`` or the top level, or None when neither has them."""
+    for path in AUX_LAYER_KEYS:
+        node: object = config
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            return node  # type: ignore[return-value]
+    return None
+
+
+def structure(config: dict, where: Path) -> dict[str, int]:
+    """Check the training config and return the shape symbols (H, T, A, nh, nkv, d, I, V, Vd).
+
+    Raises PlanError naming the first missing, mistyped or refused key.
+    """
+
+    def refuse(message: str) -> PlanError:
+        return PlanError(message, where)
+
+    for key in REQUIRED_SIZES:
+        if key not in config:
+            raise refuse(f"required key {key!r} is missing")
+        if not _positive_int(config[key]):
+            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
+    for key in OPTIONAL_SIZES:
+        if config.get(key) is not None and not _positive_int(config[key]):
+            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
+    if "rms_norm_eps" not in config:
+        raise refuse("required key 'rms_norm_eps' is missing")
+    eps = config["rms_norm_eps"]
+    if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
+        raise refuse(f"rms_norm_eps must be a positive number, not {eps!r}")
+    eagle = config.get("eagle_config")
+    if eagle is not None and not isinstance(eagle, dict):
+        raise refuse(f"eagle_config must be an object, not {eagle!r}")
+    for scope, table in (("", config), ("eagle_config.", eagle or {})):
+        for key in PEAGLE_CONFIG_KEYS:
+            if table.get(key) is not None:
+                raise refuse(f"{scope}{key} marks a P-EAGLE draft: {REFUSED_FLAGS['parallel_drafting']}")
+        for flag, reason in REFUSED_FLAGS.items():
+            if table.get(flag) is True:
+                raise refuse(f"{scope}{flag}: true is refused: {reason}")
+        for flag in (*REFUSED_FLAGS, *EXPLICIT_FLAGS):
+            if flag in table and type(table[flag]) is not bool:
+                raise refuse(f"{scope}{flag} must be true or false, not {table[flag]!r}")
+    if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
+        raise refuse("eagle_config.use_aux_hidden_state: false drops the fc these loaders build")
+    aux = aux_layer_ids(config)
+    if aux is None:
+        raise refuse("required key 'eagle_config.eagle_aux_hidden_state_layer_ids' is missing")
+    if not (isinstance(aux, list) and aux and all(type(i) is int and i >= 0 for i in aux)):
+        raise refuse(f"eagle_aux_hidden_state_layer_ids must be a non-empty list of layer numbers, not {aux!r}")
+    if len(aux) != AUX_STATES:
+        raise refuse(f"{len(aux)} aux layer ids {aux}: vLLM builds the fc for exactly {AUX_STATES} aux hidden states")
+    H, nh, V = config["hidden_size"], config["num_attention_heads"], config["vocab_size"]
+    d = config.get("head_dim")
+    if d is None:
+        if H % nh:
+            raise refuse(f"hidden_size {H} is not divisible by num_attention_heads {nh}; set head_dim")
+        d = H // nh
+    Vd = config.get("draft_vocab_size") or V
+    if Vd > V:
+        raise refuse(f"draft_vocab_size {Vd} exceeds vocab_size {V}")
+    return {
+        "H": H,
+        "T": config.get("target_hidden_size") or H,
+        "A": len(aux),
+        "nh": nh,
+        "nkv": config["num_key_value_heads"],
+        "d": d,
+        "I": config["intermediate_size"],
+        "V": V,
+        "Vd": Vd,
+    }
+
+
+def table(config: dict, symbols: dict[str, int]) -> list[Row]:
+    """The tensor rows for this config: fc_norm rows when fc_norm, d2t/t2d when Vd < V."""
+    rows: list[Row] = list(TENSORS)
+    if config.get("fc_norm") is True:
+        serve, train, shape, dtypes = FC_NORM
+        rows += [(serve.format(i=i), train.format(i=i), shape, dtypes) for i in range(symbols["A"])]
+    if symbols["Vd"] < symbols["V"]:
+        rows += VOCAB_MAP
+    return rows
+
+
+def _evaluate(expr: str, symbols: dict[str, int]) -> int:
+    return math.prod(int(f) if f.isdigit() else symbols[f] for f in expr.split("*"))
+
+
+def _behind(exprs: tuple[str, ...]) -> str:
+    used = dict.fromkeys(f for e in exprs for f in e.split("*") if not f.isdigit())
+    return ", ".join(f"{s} = {SYMBOLS[s]}" for s in used)
+
+
+def _dtype_keys(config: dict, out: dict, dtype: str | None) -> None:
+    for key in DTYPE_KEYS:
+        if key in config:
+            out[key] = TORCH_NAMES[dtype] if dtype is not None and isinstance(config[key], str) else config[key]
+
+
+def serving_config(config: dict, symbols: dict[str, int], dtype: str | None = None) -> dict:
+    """The native serving config.json (vLLM and SGLang), built from scratch."""
+    aux = aux_layer_ids(config)
+    out = {k: config[k] for k in LLAMA_CONFIG if k in config}
+    _dtype_keys(config, out, dtype)
+    out |= {flag: config.get(flag) is True for flag in EXPLICIT_FLAGS}
+    out |= {
+        "head_dim": symbols["d"],
+        "draft_vocab_size": symbols["Vd"],
+        "target_hidden_size": symbols["T"],
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
+    }
+    out.update(SET_CONFIG)
+    return dict(sorted(out.items()))
+
+
+def speculators_config(config: dict, symbols: dict[str, int], verifier: str, dtype: str | None = None) -> dict:
+    """The speculators 0.9 config.json: Eagle3SpeculatorConfig's fields, all written out."""
+    layer = {k: config[k] for k in LLAMA_CONFIG if k in config}
+    _dtype_keys(config, layer, dtype)
+    layer["head_dim"] = symbols["d"]
+    layer.update(LAYER_CONFIG_SET)
+    out = {
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": PROPOSAL["proposal_type"],
+            "proposal_methods": [dict(PROPOSAL)],
+            "verifier": {"architectures": [], "name_or_path": verifier},
+        },
+        "transformer_layer_config": dict(sorted(layer.items())),
+        "draft_vocab_size": symbols["Vd"],
+        "target_hidden_size": symbols["T"],
+        "eagle_aux_hidden_state_layer_ids": aux_layer_ids(config),
+        **{flag: config.get(flag) is True for flag in EXPLICIT_FLAGS},
+    }
+    _dtype_keys(config, out, dtype)
+    out.update(SPECULATORS_SET)
+    return dict(sorted(out.items()))
+
+
+def _check_tensors(names: set[str], rows: list[Row], symbols: dict[str, int], where: Path) -> None:
+    """Refuse P-EAGLE tensors, a second layer, biases, a vocab map that disagrees with the
+    config, then any missing or unexpected key (listed together)."""
+    peagle = sorted(n for n in names if n in PEAGLE_TENSORS)
+    if peagle:
+        raise PlanError(f"{peagle[0]} marks a P-EAGLE draft: {REFUSED_FLAGS['parallel_drafting']}", where)
+    second = sorted(n for n in names if n.startswith(LAYER_PREFIX) and not n.startswith(LAYER_PREFIX + "0."))
+    if second:
+        raise PlanError(
+            f"{second[0]} belongs to a second draft layer; these loaders build exactly one"
+            + (f" ({len(second)} such tensors)" if len(second) > 1 else ""),
+            where,
+        )
+    biases = sorted(n for n in names if n.endswith(".bias"))
+    if biases:
+        raise PlanError(
+            f"{_listing('bias tensors', biases)}: SGLang builds the EAGLE-3 layer without biases and "
+            "ignores them silently",
+            where,
+        )
+    V, Vd = symbols["V"], symbols["Vd"]
+    maps = [train for _, train, _, _ in VOCAB_MAP]
+    present = [m for m in maps if m in names]
+    if Vd == V and present:
+        raise PlanError(
+            f"{' and '.join(present)} present but draft_vocab_size equals vocab_size ({V}): "
+            "a draft without a reduced vocabulary has no vocab map",
+            where,
+        )
+    absent = [m for m in maps if m not in names]
+    if Vd < V and absent:
+        raise PlanError(
+            f"{' and '.join(absent)} missing with draft_vocab_size {Vd} < vocab_size {V}: vLLM would keep "
+            "a zero draft-to-target map and SGLang no hot-token map",
+            where,
+        )
+    expected = {train for _, train, _, _ in rows}
+    missing, unexpected = sorted(expected - names), sorted(names - expected)
+    if missing or unexpected:
+        parts = [_listing(label, keys) for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise PlanError("training tensors do not match the EAGLE-3 table: " + "; ".join(parts), where)
+
+
+def _compile(path: str | os.PathLike, rules: Rules | None, name: str) -> tuple[Path, dict, dict, list, object]:
+    rules = rules or Rules()
+    others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
+    if others:
+        raise PlanError(f"--plan {name} fixes every name; it cannot be combined with {', '.join(others)} rules")
+    directory = find_checkpoint_dir(path)
+    config = _load_config(directory)
+    symbols = structure(config, directory / "config.json")
+    ckpt = open_checkpoint(directory if directory.name != HF_METADATA.name else path)
+    rows = table(config, symbols)
+    _check_tensors(set(ckpt.tensors), rows, symbols, directory)
+    tensors = []
+    for serve, train, exprs, dtypes in rows:
+        ref = ckpt.tensors[train]
+        want = tuple(_evaluate(e, symbols) for e in exprs)
+        if train == "lm_head.weight" and ref.shape[:1] != want[:1]:
+            raise PlanError(
+                f"lm_head.weight has {ref.shape[0] if ref.shape else 0} rows, draft_vocab_size is "
+                f"{symbols['Vd']} (shape {list(ref.shape)}, expected {list(want)})",
+                directory,
+            )
+        if ref.shape != want:
+            raise PlanError(
+                f"{train} has shape {list(ref.shape)}, expected {list(want)} = "
+                f"[{', '.join(exprs)}] from {_behind(exprs)}",
+                directory,
+            )
+        if ref.dtype not in dtypes:
+            raise PlanError(f"{train} is {ref.dtype}; expected {' or '.join(dtypes)}", directory)
+        tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))
+    tensors.sort(key=lambda t: t.name)
+    return directory, config, symbols, tensors, ckpt
+
+
+def _plan(tensors, ckpt, directory: Path, symbols: dict, body: dict, title: str) -> Plan:
+    text = json.dumps(body, indent=2, sort_keys=True) + "\n"
+    summary = [
+        f"{title}: " + ", ".join(f"{label}={symbols[k]}" for k, label in STRUCTURE_LABELS.items()),
+        f"checkpoint: {directory}",
+        "config.json:",
+        *("  " + line for line in text.splitlines()),
+    ]
+    return Plan(
+        tensors, {"format": "pt"}, {"config.json": text.encode()}, source=ckpt, summary=summary, single_file=True
+    )
+
+
+def eagle3_plan(path: str | os.PathLike, rules: Rules | None = None, *, verifier: str | None = None) -> Plan:
+    """Compile the native EAGLE-3 export (``LlamaForCausalLMEagle3``, loaded by vLLM and
+    SGLang) of the Automodel draft at ``path``: a step directory, its ``model/consolidated``
+    or a step holding only shards. Only cast rules may accompany it."""
+    if verifier is not None:
+        raise UsageError("--verifier applies to --plan eagle3-speculators only")
+    directory, config, symbols, tensors, ckpt = _compile(path, rules, "eagle3")
+    body = serving_config(config, symbols, (rules or Rules()).dtype)
+    return _plan(tensors, ckpt, directory, symbols, body, f"EAGLE-3 draft for {ENGINE_VERSIONS}")
+
+
+def eagle3_speculators_plan(
+    path: str | os.PathLike, rules: Rules | None = None, *, verifier: str | None = None
+) -> Plan:
+    """Compile the same tensors under a speculators 0.9 config whose verifier is
+    ``verifier`` (a Hugging Face id or path; required)."""
+    if not verifier or not isinstance(verifier, str) or not verifier.strip():
+        raise UsageError("--plan eagle3-speculators needs --verifier ORG/NAME (the target model)")
+    directory, config, symbols, tensors, ckpt = _compile(path, rules, "eagle3-speculators")
+    if symbols["T"] != symbols["H"]:
+        raise PlanError(
+            f"target_hidden_size {symbols['T']} differs from hidden_size {symbols['H']}: speculators "
+            f"{SPECULATORS_VERSION} builds fc and fc_norm on hidden_size; use --plan eagle3",
+            directory / "config.json",
+        )
+    body = speculators_config(config, symbols, verifier, (rules or Rules()).dtype)
+    return _plan(tensors, ckpt, directory, symbols, body, f"EAGLE-3 draft for speculators {SPECULATORS_VERSION}")
