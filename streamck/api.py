@@ -20,6 +20,7 @@ from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint, open_checkpoint
 from streamck.source.layout import pick_step
 from streamck.writer import WriteResult, write_plan
+from streamck.writer.parts import parse_part
 
 Source = str | os.PathLike | Checkpoint
 
@@ -80,6 +81,8 @@ def rewrite(
     copy_files: bool = True,
     max_shard_size: int | str | None = None,
     format: str | None = None,
+    jobs: int = 1,
+    part: tuple[int, int] | str | None = None,
     header_align: int = 8,
     force: bool = False,
     verify: bool = False,
@@ -96,7 +99,9 @@ def rewrite(
     size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
     ``.pth`` output name does too); ``key``/``zero`` choose what a torch pickle or a
     DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the target model
-    named in ``plan="eagle3-speculators"``'s config. Memory stays near one chunk.
+    named in ``plan="eagle3-speculators"``'s config; ``jobs`` writes that many shards at
+    once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
+    Memory stays near one chunk (per job).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -131,6 +136,8 @@ def rewrite(
         device=device,
         drop_cache=drop_cache,
         format=format,
+        jobs=jobs,
+        part=parse_part(part) if isinstance(part, str) else part,
     )
 
 

@@ -15,6 +15,7 @@ from streamck.plan import BUILTIN_PLANS, VERIFIER_PLANS, Rule, Rules, compile_pl
 from streamck.source import open_checkpoint
 from streamck.source.layout import pick_step
 from streamck.writer import parse_size, write_plan
+from streamck.writer.parts import parse_part
 
 if TYPE_CHECKING:
     from streamck.check.diff import Side
@@ -151,6 +152,8 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         verify=args.verify,
         progress=not args.quiet and sys.stderr.isatty(),
         format=args.format,
+        jobs=args.jobs,
+        part=parse_part(args.part) if args.part else None,
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
@@ -259,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"
     )
     rw.add_argument("--max-shard-size", metavar="SIZE", help="split into shards (5GB, 500MiB)")
+    rw.add_argument("--jobs", type=int, default=1, metavar="N", help="write N output shards at once (threads)")
+    rw.add_argument(
+        "--part",
+        metavar="K/N",
+        help="write only part K of N of the output's shards (plus index and side files): N hosts, one output",
+    )
     rw.add_argument(
         "--format",
         choices=("safetensors", "torch"),

@@ -158,6 +158,10 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
                 "--verify",
                 "--format",
                 "torch",
+                "--jobs",
+                "3",
+                "--part",
+                "2/5",
                 "-q",
             ]
         )
@@ -171,6 +175,8 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         "verify": True,
         "progress": False,
         "format": "torch",
+        "jobs": 3,
+        "part": (2, 5),
     }
 
 

@@ -151,6 +151,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a streamck run's temporary (its output, or its lock file)."""
+    return _TMP_RE.match(name) is not None
+
+
 def _is_weights(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in STALE_WEIGHTS)
 
@@ -177,6 +182,18 @@ def _refuse_foreign(final: Path, writes: Iterable[str]) -> None:
         )
 
 
+def refuse_source(final: Path, sources: Iterable[Path]) -> None:
+    """Refuse a target that is, links to, or would contain a source file."""
+    resolved = final.resolve()
+    target = os.stat(final) if final.exists() else None
+    for src in sources:
+        src_resolved = src.resolve()
+        if src_resolved == resolved or resolved in src_resolved.parents:
+            raise OutputError("refusing to write over the source checkpoint", final)
+        if target is not None and os.path.samestat(target, os.stat(src)):
+            raise OutputError(f"refusing to write over the source checkpoint (same file as {src})", final)
+
+
 def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool, writes: Iterable[str] = ()) -> None:
     """Refuse a target that is, links to, or would contain a source file, or that exists
     (unless ``force``, or it is an empty directory and a directory is to be written).
@@ -185,15 +202,8 @@ def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool
     consists of: ``*.safetensors`` and ``pytorch_model*.bin`` weights and their indexes,
     and the files in ``writes`` (the output's own and side files). Anything else there
     (notes, other models) is refused by name, force or not."""
-    resolved = final.resolve()
+    refuse_source(final, sources)
     exists = final.exists()
-    target = os.stat(final) if exists else None
-    for src in sources:
-        src_resolved = src.resolve()
-        if src_resolved == resolved or resolved in src_resolved.parents:
-            raise OutputError("refusing to write over the source checkpoint", final)
-        if target is not None and os.path.samestat(target, os.stat(src)):
-            raise OutputError(f"refusing to write over the source checkpoint (same file as {src})", final)
     if not (final.is_symlink() or exists):
         return
     real_dir = final.is_dir() and not final.is_symlink()

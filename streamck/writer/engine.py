@@ -14,7 +14,7 @@ from streamck.errors import OutputError, UsageError
 from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
-from streamck.writer.atomic import atomic_output, check_target
+from streamck.writer.atomic import atomic_output, check_target, refuse_source
 from streamck.writer.layout import (
     FORMATS,
     INDEX_NAME,
@@ -26,7 +26,8 @@ from streamck.writer.layout import (
     index_bytes,
     plan_shards,
 )
-from streamck.writer.shardwriter import Progress, ShardWriter, Syncer
+from streamck.writer.parts import assign, check_directory
+from streamck.writer.shardwriter import Progress, ShardWriter, Syncer, Workers
 from streamck.writer.verify import verify_shard
 
 
@@ -78,6 +79,8 @@ def write_plan(
     chunk: int = CHUNK,
     progress: bool = False,
     format: str | None = None,
+    jobs: int = 1,
+    part: tuple[int, int] | None = None,
 ) -> WriteResult:
     """Write ``plan`` to ``out``: a ``*.safetensors`` path is one file, a ``*.bin``/``.pt``/
     ``.pth`` path one torch.save archive; any other path is a directory holding
@@ -85,7 +88,9 @@ def write_plan(
     shards and an index when ``max_shard_size`` splits it, and the plan's extra files.
 
     With ``verify``, every written tensor is re-read and checked against its source
-    (or a fresh CPU cast of it) before the output is kept.
+    (or a fresh CPU cast of it) before the output is kept. ``jobs`` writes that many
+    shards at once (threads; the bytes are the same as with one). ``part=(K, N)`` writes
+    only part K of N of a directory output's shards, see streamck.writer.parts.
 
     Memory stays near ``chunk`` bytes whatever the tensor sizes. The output appears
     under its final name only when complete and fsynced; on any error or signal
@@ -93,9 +98,15 @@ def write_plan(
     """
     if header_align < 8 or header_align % 8:
         raise UsageError(f"--header-align {header_align}: must be a positive multiple of 8")
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs}: must be at least 1")
+    if jobs > 1 and device not in (None, "cpu"):
+        raise UsageError(f"--jobs {jobs} with --device {device}: one device pipeline runs at a time")
     if os.fspath(out) == "-":
         if format not in (None, "safetensors"):
             raise UsageError("-o - streams one safetensors file; write a torch archive to a path")
+        if part is not None:
+            raise UsageError("--part writes its share of a directory output's files; -o - is one stream")
         return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
     out = _target(out)
     named = file_format(out)
@@ -113,31 +124,42 @@ def write_plan(
         raise OutputError(f"--max-shard-size needs a directory output, not a {out.suffix} file", out)
     if single and plan.files:
         raise OutputError(f"this plan also writes {', '.join(plan.files)}; give a directory output", out)
+    if single and part is not None:
+        raise UsageError(f"--part splits a directory output's files; {out.name} is one file")
     sources = list(plan.source.files) if plan.source else []
     if single and plan.source is not None:
         _refuse_joining(out, plan)
-    check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
     default = TORCH_SINGLE_NAME if format == "torch" else SINGLE_NAME
     shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format)
+    if part is None:
+        check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
+    else:
+        refuse_source(out, sources)
+        check_directory(out, [s.filename for s in shards] + sorted(_extras(plan, shards)))
     bar = Progress(plan.total_size, progress)
-    writer = ShardWriter(chunk, device, drop_cache, bar)
+    workers = Workers(jobs, chunk, device, drop_cache, bar)
     if any(t.is_cast for t in plan.tensors):
-        _caster(writer)  # a missing torch or CUDA device is an error before any file exists
+        _caster(workers.first)  # a missing torch or CUDA device is an error before any file exists
     syncer = Syncer(drop_cache)
     with ExitStack() as stack:
         stack.callback(bar.close)
-        stack.callback(writer.close)
+        stack.callback(workers.close)
         stack.callback(syncer.close)
-        tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
         try:
+            if part is not None:
+                files = _write_part(plan, out, shards, part, workers, verify)
+                return WriteResult(files, sum(s.size for s in shards if out / s.filename in files), workers.overflow)
+            tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
             paths = [tmp] if single else [tmp / s.filename for s in shards]
-            for shard, path in zip(shards, paths, strict=True):
-                writer.write_file(shard, path)
-                syncer.submit(path)
+
+            def write(writer: ShardWriter, i: int) -> None:
+                writer.write_file(shards[i], paths[i])
+                syncer.submit(paths[i])
+
+            workers.map(write, list(range(len(shards))))
             syncer.wait()
             if verify:
-                for shard, path in zip(shards, paths, strict=True):
-                    verify_shard(shard, path, writer.cpu_caster)
+                workers.map(lambda w, i: verify_shard(shards[i], paths[i], w.cpu_caster), list(range(len(shards))))
             extras = [] if single else _write_extras(plan, shards, tmp)
         except OSError as e:
             where = e.filename or out
@@ -145,7 +167,34 @@ def write_plan(
         if plan.source is not None:
             plan.source.check_unchanged()
     files = [out] if single else [out / s.filename for s in shards] + [out / n for n in extras]
-    return WriteResult(files, plan.total_size, writer.overflow)
+    return WriteResult(files, plan.total_size, workers.overflow)
+
+
+def _write_part(
+    plan: Plan, out: Path, shards: list[Shard], part: tuple[int, int], workers: Workers, verify: bool
+) -> list[Path]:
+    """Part K of N: its own shards, each written, fsynced (and verified) under a temporary
+    name and renamed into ``out``; then the index and side files, the same bytes from
+    every part. Returns the paths written."""
+    k, n = part
+    mine = [s for s, owner in zip(shards, assign(shards, n), strict=True) if owner == k - 1]
+
+    def write(writer: ShardWriter, shard: Shard) -> None:
+        with atomic_output(out / shard.filename, is_dir=False, force=True) as tmp:
+            writer.write_file(shard, tmp)
+            _fsync(tmp)
+            if verify:
+                verify_shard(shard, tmp, writer.cpu_caster)
+
+    workers.map(write, mine)
+    extras = _extras(plan, shards)
+    for name, data in extras.items():
+        is_dir = not isinstance(data, bytes) and data.is_dir()
+        with atomic_output(out / name, is_dir=is_dir, force=True) as tmp:
+            _put(data, tmp, replace=is_dir)
+    if plan.source is not None:
+        plan.source.check_unchanged()
+    return [out / s.filename for s in mine] + [out / name for name in sorted(extras)]
 
 
 def _target(out: str | os.PathLike) -> Path:
@@ -182,22 +231,33 @@ def _caster(writer: ShardWriter) -> None:
         raise UsageError(f"{what} needs torch, which is not installed: pip install 'streamck[cast]'") from None
 
 
-def _write_extras(plan: Plan, shards: list[Shard], directory: Path) -> list[str]:
-    """The index (when sharded), the plan's files and its side files, fsynced; their names."""
+def _extras(plan: Plan, shards: list[Shard]) -> dict[str, Path | bytes]:
+    """Every file of a directory output but the shards: the index (when sharded), the
+    plan's files and its side files (the plan's own win over copies)."""
     files = dict(plan.files)
     if len(shards) > 1:
         files[TORCH_INDEX_NAME if shards[0].format == "torch" else INDEX_NAME] = index_bytes(shards)
-    extras = {**plan.side_files, **files}  # the plan's own files win over copies
+    return {**plan.side_files, **files}
+
+
+def _put(data: Path | bytes, dest: Path, replace: bool = False) -> None:
+    """Write bytes, copy a file, or copy a folder whole (a sentence-transformers module)
+    to ``dest``, then fsync what was written."""
+    if isinstance(data, bytes):
+        dest.write_bytes(data)
+    elif data.is_dir():
+        shutil.copytree(data, dest, dirs_exist_ok=replace)
+    else:
+        shutil.copyfile(data, dest)
+    for path in [dest, *dest.rglob("*")] if dest.is_dir() else [dest]:
+        _fsync(path)
+
+
+def _write_extras(plan: Plan, shards: list[Shard], directory: Path) -> list[str]:
+    """The index, the plan's files and its side files into ``directory``, fsynced; their names."""
+    extras = _extras(plan, shards)
     for name, data in extras.items():
-        if isinstance(data, bytes):
-            (directory / name).write_bytes(data)
-        elif data.is_dir():  # a sentence-transformers module folder, copied whole
-            shutil.copytree(data, directory / name)
-        else:
-            shutil.copyfile(data, directory / name)
-        dest = directory / name
-        for path in [dest, *dest.rglob("*")] if dest.is_dir() else [dest]:
-            _fsync(path)
+        _put(data, directory / name)
     return sorted(extras)
 
 

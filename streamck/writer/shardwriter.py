@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from streamck.errors import UsageError
@@ -140,6 +141,71 @@ class ShardWriter:
             self.write(shard, fd)
         finally:
             os.close(fd)
+
+
+class _Stopped(Exception):
+    """Raised in a worker at its next chunk once another worker has failed."""
+
+
+class Workers:
+    """``jobs`` threads, each with a ShardWriter of its own (buffers, fds, caster), doing
+    ``fn(writer, item)`` for every item. Kernel copies, reads and numpy release the GIL,
+    so shards are written truly at once. The first error stops the others at their next
+    chunk and is raised once all have stopped, so nothing writes into a temporary that
+    is being removed. One job runs inline, on the calling thread."""
+
+    def __init__(self, jobs: int, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
+        self.jobs, self._stop = jobs, threading.Event()
+        self._lock = threading.Lock()
+
+        def checked(n: int) -> None:
+            if self._stop.is_set():
+                raise _Stopped
+            with self._lock:
+                progress(n)
+
+        self._make = lambda: ShardWriter(chunk, device, drop_cache, checked if jobs > 1 else progress)
+        self.first = self._make()  # made now, so that a missing caster fails before any file exists
+        self.writers = [self.first]
+        self._idle: list[ShardWriter] = []
+
+    def _writer(self) -> ShardWriter:
+        """This thread's writer: an idle one, else a new one."""
+        writer = getattr(self._local, "writer", None)
+        if writer is None:
+            with self._lock:
+                writer = self._idle.pop() if self._idle else self._make()
+                if writer not in self.writers:
+                    self.writers.append(writer)
+            self._local.writer = writer
+        return writer
+
+    def map(self, fn: Callable[[ShardWriter, object], None], items: list) -> None:
+        if self.jobs == 1 or len(items) <= 1:
+            for item in items:
+                fn(self.first, item)
+            return
+        self._stop.clear()
+        self._idle, self._local = list(self.writers), threading.local()  # new threads take them again
+        with ThreadPoolExecutor(self.jobs, thread_name_prefix="streamck-job") as pool:
+            futures = [pool.submit(lambda it=item: fn(self._writer(), it)) for item in items]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                self._stop.set()
+                for future in futures:
+                    future.cancel()
+                wait(futures)
+                raise
+
+    @property
+    def overflow(self) -> dict[str, int]:
+        return {k: v for w in self.writers for k, v in w.overflow.items()}
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
 
 
 class Syncer:

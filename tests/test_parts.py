@@ -1,0 +1,120 @@
+"""--jobs and --part K/N: the same bytes as one plain run, however the work is split."""
+
+import filecmp
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import llama_like, save_sharded
+
+import streamck
+from streamck import OutputError, UsageError
+from streamck.writer.layout import Shard
+from streamck.writer.parts import assign
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.fixture
+def src(tmp_path):
+    tensors = llama_like(layers=6, hidden=16, vocab=64)
+    tensors["big"] = np.random.default_rng(1).standard_normal((300, 70)).astype(np.float32)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text('{"torch_dtype": "float32"}')
+    return save_sharded(tmp_path / "src", tensors, 3)
+
+
+def same_dirs(a, b) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_jobs_write_the_same_bytes(src, tmp_path, dtype):
+    one = streamck.rewrite(src, tmp_path / "one", max_shard_size="4KB", dtype=dtype, verify=True)
+    four = streamck.rewrite(src, tmp_path / "four", max_shard_size="4KB", dtype=dtype, jobs=4, verify=True)
+    assert len(one.files) > 6 and same_dirs(tmp_path / "one", tmp_path / "four")
+    assert one.overflow == four.overflow
+
+
+def test_parts_run_concurrently_equal_one_run(src, tmp_path):
+    streamck.rewrite(src, tmp_path / "one", max_shard_size="4KB", dtype="bf16")
+    n = 3
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "streamck",
+                "rewrite",
+                src,
+                "-o",
+                tmp_path / "parts",
+                "--max-shard-size",
+                "4KB",
+                "--dtype",
+                "bf16",
+                "--part",
+                f"{k}/{n}",
+                "-q",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(1, n + 1)
+    ]
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()
+    assert same_dirs(tmp_path / "one", tmp_path / "parts")
+    # A rerun of one part rewrites its own files only.
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "parts").iterdir()}
+    r = cli("rewrite", src, "-o", tmp_path / "parts", "--max-shard-size", "4KB", "--dtype", "bf16", "--part", "2/3")
+    assert r.returncode == 0, r.stderr
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "parts").iterdir()}
+    changed = {n for n in before if before[n] != after[n]}
+    shards = sorted(p.name for p in (tmp_path / "parts").glob("model-*.safetensors"))
+    assert changed and {n for n in changed if n in shards} < set(shards)
+    assert same_dirs(tmp_path / "one", tmp_path / "parts")
+
+
+def test_parts_are_balanced_and_deterministic():
+    sizes = [50, 10, 40, 30, 30, 20, 10]
+    shards = [Shard(f"s{i}", b"x" * size, []) for i, size in enumerate(sizes)]
+    owners = assign(shards, 3)
+    loads = [sum(s for s, o in zip(sizes, owners, strict=True) if o == p) for p in range(3)]
+    assert owners == assign(shards, 3) and max(loads) - min(loads) <= 10 and sorted(set(owners)) == [0, 1, 2]
+
+
+def test_part_refusals(src, tmp_path):
+    with pytest.raises(UsageError, match="K/N"):
+        streamck.rewrite(src, tmp_path / "o", part="4/3")
+    with pytest.raises(UsageError, match="one file"):
+        streamck.rewrite(src, tmp_path / "o.safetensors", part="1/2")
+    r = cli("rewrite", src, "-o", "-", "--part", "1/2")
+    assert r.returncode == 2 and "--part" in r.stderr and r.stderr.count("\n") == 1
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "NOTES.md").write_text("mine")
+    with pytest.raises(OutputError, match="NOTES.md"):
+        streamck.rewrite(src, tmp_path / "busy", part="1/2")
+    with pytest.raises(UsageError, match="--jobs 0"):
+        streamck.rewrite(src, tmp_path / "o", jobs=0)
+
+
+def test_a_failing_job_stops_the_others_and_leaves_nothing(src, tmp_path, monkeypatch):
+    from streamck.writer.shardwriter import ShardWriter
+
+    real, calls = ShardWriter.write_file, []
+
+    def failing(self, shard, path):
+        calls.append(shard.filename)
+        if shard.filename.startswith("model-00003"):
+            raise OSError(28, "No space left on device", str(path))
+        return real(self, shard, path)
+
+    monkeypatch.setattr(ShardWriter, "write_file", failing)
+    with pytest.raises(OutputError, match="No space left"):
+        streamck.rewrite(src, tmp_path / "out", max_shard_size="4KB", jobs=3)
+    assert not (tmp_path / "out").exists() and not any("streamck" in p.name for p in tmp_path.iterdir())
