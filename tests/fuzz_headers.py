@@ -3,8 +3,12 @@
     .venv/bin/python tests/fuzz_headers.py --examples 50000
 
 Every random or mutated file must either be refused by streamck with its own
-error, or be read exactly as the reference reader reads it (duplicate names
-excepted: streamck refuses them where the reference keeps the last).
+error, or be read exactly as the reference reader reads it; and a file the
+reference reads must be read by streamck too, unless it is one of the documented
+differences (README, "Differences from the reference reader": duplicate keys,
+serde's array entries and map dtypes). The generator aims at serde_json's limits:
+deep nesting, long and huge numbers, shapes that overflow before a zero dimension,
+those alternative encodings, empty headers; compact (orjson fast path) and spaced.
 """
 
 import argparse

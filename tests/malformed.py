@@ -11,6 +11,22 @@ def _file(header: dict | bytes, data: bytes = b"", length: int | None = None) ->
     return struct.pack("<Q", len(raw) if length is None else length) + raw + data
 
 
+def _compact(header: dict, data: bytes = b"") -> bytes:
+    """As the reference writer renders a header: the orjson fast path reads these."""
+    return _file(json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode(), data)
+
+
+def _x(value: str, compact: bool = False) -> bytes:
+    """A valid one-byte tensor whose extra field ``x`` holds the JSON text ``value``."""
+    if compact:
+        return _file(b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + value.encode() + b"}}", b"a")
+    return _file(b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": ' + value.encode() + b"}}", b"a")
+
+
+def _nest(depth: int, open_: str = "[", close: str = "]") -> str:
+    return open_ * depth + close * depth
+
+
 def _t(dtype: str, shape: list, start: int, end: int, **extra) -> dict:
     return {"dtype": dtype, "shape": shape, "data_offsets": [start, end], **extra}
 
@@ -75,7 +91,71 @@ CASES: dict[str, tuple[bytes, bool]] = {
     "unicode names": (_file({"模型.权重": _t("U8", [1], 0, 1)}, b"a"), True),
     "F4 and F6 whole bytes": (_file({"a": _t("F4", [4], 0, 2), "b": _t("F6_E2M3", [4], 2, 5)}, b"abcde"), True),
     "header length not a multiple of 8": (_file(b"{} "), True),
+    # serde_json's limits, which the reference's parse keeps even in fields it ignores:
+    # 128 nested containers (the header object and the entry count: 125 more fit) ...
+    "nested 127 deep": (_x(_nest(125)), True),
+    "nested 128 deep": (_x(_nest(126)), False),
+    "nested 127 deep, compact": (_x(_nest(125), compact=True), True),
+    "nested 128 deep, compact": (_x(_nest(126), compact=True), False),
+    "nested 300 deep, compact": (_x(_nest(300), compact=True), False),  # past orjson's 254 for dumps
+    "nested 2000 deep": (_x(_nest(2000)), False),
+    "dicts nested 128 deep": (_x('{"k":' * 126 + "1" + "}" * 126), False),
+    # ... numbers: integers past u64 become f64, which must not overflow; floats likewise,
+    # by serde's own (not correctly rounded) reading
+    "integer past u64": (_x(str(2**64)), True),
+    "integer below i64": (_x(str(-(2**63) - 1)), True),
+    "integer of 309 digits": (_x("1" + "0" * 308), True),
+    "integer of 310 digits": (_x("1" + "0" * 309), False),
+    "integer of 309 nines": (_x("9" * 309), False),
+    "integer of 5000 digits": (_x("7" * 5000), False),  # past Python's int-string limit too
+    "integer just under f64 max": (_x(str(2**1024 - 2**971)), False),  # serde's rounding overflows
+    "float 1e309": (_x("1e309"), False),
+    "float -1E400": (_x("-1E400"), False),
+    "float f64 max": (_x("1.7976931348623157e308"), True),
+    "float f64 max, compact": (_x("1.7976931348623157e308", compact=True), True),
+    "float rounding to f64 max": (_x("1.7976931348623158e308"), False),  # finite in Python
+    "float of 5000 digits": (_x("1." + "3" * 5000), True),
+    "float of 5000 integer digits": (_x("3" * 5000 + ".5"), False),
+    "float underflowing to zero": (_x("1e-400"), True),
+    "exponent past i32": (_x("1e2147483648"), False),
+    "zero with exponent past i32": (_x("0e99999999999"), True),
+    "negative exponent past i32": (_x("1e-99999999999"), True),
+    # element counts multiply in order, each step checked against 64 bits
+    "shape overflows before a zero dim": (_file({"a": _t("U8", [2**63, 2, 0], 0, 0)}), False),
+    "shape overflows before a zero dim, compact": (_compact({"a": _t("U8", [2**32, 2**32, 0], 0, 0)}), False),
+    "shape with a zero dim first": (_file({"a": _t("U8", [0, 2**63, 2], 0, 0)}), True),
+    "shape with a zero dim mid-way": (_compact({"a": _t("U8", [2**63, 0, 2**63], 0, 0)}), True),
+    "shape just under 2^64 before a zero dim": (_file({"a": _t("U8", [2**32, 2**32 - 1, 0], 0, 0)}), True),
+    "shape bits overflow": (_file({"a": _t("F64", [2**61], 0, 2**64 - 8)}), False),
+    "empty header, compact": (_file(b"{}"), True),
+    "only metadata": (_compact({"__metadata__": {"format": "pt"}}), True),
 }
+
+# Deliberate differences (README, "Differences from the reference reader"): files the
+# reference reads and streamck refuses, with the words streamck's refusal contains.
+DIFFERENCES: dict[str, tuple[bytes, str]] = {
+    "duplicate tensor name": (
+        _file(
+            b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}, '
+            b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+            b"a",
+        ),
+        "key 'a' appears twice",
+    ),
+    "duplicate metadata key": (_file(b'{"__metadata__": {"format": "pt", "format": "np"}}'), "appears twice"),
+    "duplicate key in an ignored field": (_x('{"k": 1, "k": 2}'), "key 'k' appears twice"),
+    "duplicate ignored field": (
+        _file(b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": 1, "x": 2}}', b"a"),
+        "key 'x' appears twice",
+    ),
+    "entry as a JSON array": (_file(b'{"a": ["U8", [1], [0, 1]]}', b"a"), "entry is not an object"),
+    "entry as a JSON array, compact": (_file(b'{"a":["F32",[2],[0,8]]}', bytes(8)), "entry is not an object"),
+    "dtype as a map": (
+        _file(b'{"a": {"dtype": {"U8": null}, "shape": [1], "data_offsets": [0, 1]}}', b"a"),
+        "dtype {'U8': None} is not a string",
+    ),
+}
+DIFFERENCE_WORDS = ("appears twice", "entry is not an object", "is not a string")
 
 # The one documented disagreement: the reference keeps the last of two same-named
 # entries (tensors, or metadata keys); streamck refuses the file.

@@ -4,9 +4,14 @@ The rules are the reference reader's (``safetensors`` 0.8): an 8-byte
 little-endian length, at most 100 MB of UTF-8 JSON that is an object, each
 entry ``{"dtype", "shape", "data_offsets"}`` (extra fields ignored), an
 optional ``__metadata__`` map of strings, and tensors that tile the data area
-exactly: no gap, no overlap, no trailing byte. One rule is stricter: a key
-given twice in any object (a tensor name, a metadata key) is refused, where the
-reference silently keeps the last one.
+exactly: no gap, no overlap, no trailing byte. Its JSON parser's limits are
+kept too: containers nested at most 127 deep, numbers that serde_json's float
+reading does not overflow (anywhere, extra fields included), element counts
+whose running product stays within 64 bits even before a zero dimension.
+Stricter, on purpose (README, "Differences from the reference reader"): a key
+given twice in any object is refused, where the reference keeps the last one or
+ignores it; an entry must be a JSON object and a dtype a string, where serde
+also takes ``["F32", [2], [0, 8]]`` and ``{"F32": null}``.
 Nothing here allocates more than the header's real size. Writing is the
 reference writer's: compact JSON, ``__metadata__`` first, spaces padding the data
 area's start to a multiple of 8 (or of a larger alignment asked for).
@@ -29,6 +34,7 @@ from streamck.errors import CheckpointError, OutputError
 from streamck.source.runs import Run, Tile, strided_runs, tile_runs
 
 MAX_HEADER = 100_000_000  # the reference reader's cap on the JSON header, in bytes
+MAX_NESTING = 127  # serde_json's recursion limit (128) refuses the 128th nested container
 METADATA_KEY = "__metadata__"
 ALIGN = 8  # the data area starts at a multiple of this
 _U64 = 1 << 64
@@ -110,15 +116,97 @@ def _no_constant(name: str) -> float:
     raise _Invalid(f"{name} is not JSON")
 
 
+_POW10 = [float(f"1e{i}") for i in range(309)]  # serde_json's table: 1e0 ..= 1e308
+_U64_MAX = _U64 - 1
+
+
+def _serde_overflows(text: str) -> bool:
+    """Whether serde_json (as the reference reader builds it: no ``float_roundtrip``)
+    refuses the JSON number ``text`` as out of range.
+
+    It keeps the leading digits that fit a u64, counts the rest into a decimal exponent
+    and multiplies by a rounded power of ten, so its verdict near the top of the f64
+    range differs from a correctly rounded parse (``1.7976931348623158e308`` is refused).
+    This follows its ``parse_integer``, ``parse_decimal``, ``parse_exponent`` and
+    ``f64_from_parts`` step by step; ``text`` is valid JSON number syntax.
+    """
+    i, n = (1 if text[0] == "-" else 0), len(text)
+    sig = exponent = 0
+    overflowed = False  # the significand is full: further digits only scale it
+
+    def push(digit: int) -> bool:
+        nonlocal sig
+        if sig > _U64_MAX // 10 or (sig == _U64_MAX // 10 and digit > _U64_MAX % 10):
+            return False
+        sig = sig * 10 + digit
+        return True
+
+    while i < n and "0" <= text[i] <= "9":  # integer part (JSON: no leading zeros)
+        if not overflowed and not push(ord(text[i]) - 48):
+            overflowed = True
+        if overflowed:
+            exponent += 1
+        i += 1
+    if i < n and text[i] == ".":  # parse_decimal restarts pushing, even after an overflow
+        i += 1
+        while i < n and "0" <= text[i] <= "9":
+            if not push(ord(text[i]) - 48):
+                while i < n and "0" <= text[i] <= "9":
+                    i += 1
+                break
+            exponent -= 1
+            i += 1
+    elif not overflowed and (i == n or text[i] not in "eE"):
+        return False  # a u64 or i64 (or a float for -0 and below i64::MIN): always in range
+    if i < n and text[i] in "eE":
+        i += 1
+        positive = text[i] != "-"
+        i += text[i] in "+-"
+        digits = text[i:].lstrip("0") or "0"
+        if len(digits) > 10 or int(digits) > 2**31 - 1:  # parse_exponent_overflow
+            return sig != 0 and positive
+        exp = int(digits)
+        exponent = max(-(2**31), min(2**31 - 1, exponent + exp if positive else exponent - exp))
+    f = float(sig)
+    while True:
+        if abs(exponent) <= 308:
+            return exponent >= 0 and f * _POW10[exponent] == float("inf")
+        if f == 0.0:
+            return False
+        if exponent >= 0:
+            return True
+        f /= 1e308
+        exponent += 308
+
+
 def _parse_int(text: str) -> int | float:
     return -0.0 if text == "-0" else int(text)  # serde reads -0 as a float
 
 
 def _parse_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise _Invalid(f"number {text} out of range")
-    return value
+    if _serde_overflows(text):
+        raise _Invalid(f"number {text if len(text) <= 40 else text[:20] + '...'} out of range")
+    return float(text)
+
+
+def _check_extra(name: str, entry: dict, fast: bool) -> None:
+    """The fields of a tensor entry that are not read still obey the reference's JSON
+    limits: nesting (the header object and the entry are two levels) and numbers. An
+    integer's text is its value's; a float's is checked by the stdlib parse's hook, or,
+    after the orjson fast path, is orjson's rendering of it (the path proved so)."""
+    todo = [(v, 3) for k, v in entry.items() if k not in _FIELDS]
+    while todo:
+        value, depth = todo.pop()
+        if type(value) is float and fast:
+            text = orjson.dumps(value).decode()  # a float's text, as the fast path proved it
+            if _serde_overflows(text):
+                raise _Invalid(f"tensor {name!r}: number {text} out of range")
+        elif type(value) is int and not -_U64 < value < _U64 and _serde_overflows(str(value)):
+            raise _Invalid(f"tensor {name!r}: integer of {len(str(abs(value)))} digits out of range")
+        elif isinstance(value, dict | list):
+            if depth > MAX_NESTING:
+                raise _Invalid(f"tensor {name!r}: JSON nested more than {MAX_NESTING} deep")
+            todo.extend((v, depth + 1) for v in (value.values() if type(value) is dict else value))
 
 
 def _has_surrogate(value: object) -> bool:
@@ -131,7 +219,8 @@ def _has_surrogate(value: object) -> bool:
     return False
 
 
-def _decode_json(raw: bytes) -> dict:
+def _decode_json(raw: bytes) -> tuple[dict, bool]:
+    """The header object, and whether the orjson fast path read it."""
     # Fast path: orjson, accepted only when the header is exactly orjson's own rendering
     # of what it parsed. That proves no key was given twice (a duplicate would be
     # missing from the re-rendering) and no number was read loosely. Anything else,
@@ -139,8 +228,8 @@ def _decode_json(raw: bytes) -> dict:
     try:
         obj = orjson.loads(raw)
         if type(obj) is dict and orjson.dumps(obj) == raw.strip(b" \t\r\n"):
-            return obj
-    except orjson.JSONDecodeError:
+            return obj, True
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # encode: nested past orjson's 254
         pass
     try:
         text = raw.decode("utf-8")
@@ -156,27 +245,37 @@ def _decode_json(raw: bytes) -> dict:
         )
     except json.JSONDecodeError as e:
         raise _Invalid(f"header is not valid JSON ({e.msg} at char {e.pos})") from None
+    except ValueError:  # Python's int-string limit: an integer of thousands of digits, far past f64
+        raise _Invalid("header has an integer of thousands of digits: out of range") from None
     except RecursionError:
-        raise _Invalid("header JSON is nested too deeply") from None
+        raise _Invalid(f"header JSON is nested more than {MAX_NESTING} deep") from None
     if not isinstance(obj, dict):
         raise _Invalid(f"header is JSON {type(obj).__name__}, not an object")
     if "\\u" in text and _has_surrogate(obj):
         raise _Invalid("header has a lone UTF-16 surrogate escape")
-    return obj
+    return obj, False
+
+
+_FIELDS = frozenset(("dtype", "shape", "data_offsets"))
 
 
 def _uint(value: object) -> bool:
     return type(value) is int and 0 <= value < _U64
 
 
-def _entry(name: str, entry: object) -> tuple[str, tuple[int, ...], int, int]:
+def _entry(name: str, entry: object, fast: bool) -> tuple[str, tuple[int, ...], int, int]:
     if not isinstance(entry, dict):
-        raise _Invalid(f"tensor {name!r}: entry is not an object")
+        what = " (serde's array form of one is not read)" if isinstance(entry, list) else ""
+        raise _Invalid(f"tensor {name!r}: entry is not an object{what}")
+    if len(entry) != 3:
+        _check_extra(name, entry, fast)
     try:
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     except KeyError as e:
         raise _Invalid(f"tensor {name!r}: missing field {e.args[0]!r}") from None
-    if type(dtype) is not str or dtype not in BITS:
+    if type(dtype) is not str:
+        raise _Invalid(f"tensor {name!r}: dtype {dtype!r} is not a string")
+    if dtype not in BITS:
         raise _Invalid(f"tensor {name!r}: unknown dtype {dtype!r}")
     if type(shape) is not list or not all(map(_uint, shape)):
         raise _Invalid(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
@@ -185,9 +284,21 @@ def _entry(name: str, entry: object) -> tuple[str, tuple[int, ...], int, int]:
     return dtype, tuple(shape), offsets[0], offsets[1]
 
 
-def _size_error(name: str, dtype: str, shape: list[int], numel: int, bits: int, span: int) -> None:
-    if bits >= _U64 * 8:
-        raise _Invalid(f"tensor {name!r}: shape {shape} overflows")
+def _check_size(name: str, dtype: str, shape: list[int], bits: int, span: int) -> None:
+    """Refuse a tensor whose size the fast check could not accept; return if it is fine.
+
+    The reference multiplies the dimensions in order, then by the dtype's bits, each step
+    checked against 64 bits: ``[2**63, 2, 0]`` overflows though it holds nothing.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel >= _U64:
+            raise _Invalid(f"tensor {name!r}: shape {shape} overflows 64 bits")
+    if bits >= _U64:
+        raise _Invalid(f"tensor {name!r}: shape {shape} of {dtype} overflows 64 bits")
+    if bits == span * 8:
+        return
     if bits % 8:
         raise _Invalid(f"tensor {name!r}: {numel} elements of {dtype} are not a whole number of bytes")
     raise _Invalid(f"tensor {name!r}: shape {shape} of {dtype} needs {bits // 8} bytes, data_offsets span {span}")
@@ -200,7 +311,7 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
     """
     data_start = 8 + len(raw)
     try:
-        obj = _decode_json(raw)
+        obj, fast = _decode_json(raw)
         metadata = obj.pop(METADATA_KEY, None)
         if metadata is None:
             metadata = {}
@@ -211,19 +322,25 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
             # Fast path for well-formed entries; _entry() re-checks a bad one to say what is wrong.
             try:
                 dtype, shape, (start, stop) = e["dtype"], e["shape"], e["data_offsets"]
-                ok = dtype in BITS and type(shape) is list and type(start) is int and type(stop) is int
+                ok = (
+                    dtype in BITS
+                    and type(shape) is list
+                    and type(start) is int
+                    and type(stop) is int
+                    and len(e) == 3  # extra fields: _entry() checks them
+                )
             except (TypeError, KeyError, ValueError):
                 ok = False
             if not ok or start < 0 or stop >= _U64:
-                dtype, shape, start, stop = _entry(name, e)
+                dtype, shape, start, stop = _entry(name, e, fast)
             numel = 1
             for d in shape:
                 if type(d) is not int or d < 0 or d >= _U64:
-                    _entry(name, e)
+                    _entry(name, e, fast)
                 numel *= d
             bits = numel * BITS[dtype]
-            if bits != (stop - start) * 8:
-                _size_error(name, dtype, shape, numel, bits, stop - start)
+            if bits != (stop - start) * 8 or not bits:  # zero elements: did a prefix overflow?
+                _check_size(name, dtype, shape, bits, stop - start)
             in_order = in_order and start == end
             end = stop
             tensors.append(
@@ -242,6 +359,9 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
                     )
                 end = t.end
             end -= data_start
+        if data_size >= 1 << 61:  # only here can a tensor's bits pass 2**64 with its span in range
+            for t in tensors:
+                _check_size(t.name, t.dtype, list(t.shape), t.numel * BITS[t.dtype], t.nbytes)
         if end != data_size:
             if end > data_size:
                 raise _Invalid(f"file is truncated: tensors need {end} data bytes, file has {data_size}")

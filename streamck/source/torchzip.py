@@ -15,6 +15,7 @@ import collections
 import pickle
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 from streamck.dtypes import BITS, TORCH
@@ -35,12 +36,22 @@ LEGACY_HINT = "re-save it in the zip format: torch.save(torch.load(path, weights
 class _Storage:
     """A storage record: its key in the archive and the dtype it was saved with."""
 
+    __slots__ = ("dtype", "key")
+
     def __init__(self, key: str, dtype: str | None):
         self.key, self.dtype = key, dtype
+
+    def __setstate__(self, state):  # pickle's BUILD: torch's weights-only loader refuses it too
+        raise pickle.UnpicklingError("a storage given pickled state")
 
 
 class _Lazy:
     """A tensor as the pickle describes it: a view into a storage."""
+
+    __slots__ = ("dtype", "offset", "size", "storage", "stride")
+
+    def __setstate__(self, state):  # pickle's BUILD: a legacy tensor.set_(), not a state dict's
+        raise pickle.UnpicklingError("a tensor given pickled state (a legacy tensor layout)")
 
     def __init__(self, storage, offset, size, stride, dtype=None):
         if not isinstance(storage, _Storage):
@@ -51,11 +62,21 @@ class _Lazy:
             raise pickle.UnpicklingError(f"storage {storage.key} has no dtype")
 
 
-def _rebuild_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+# Python's own messages name these types ("'tensor' object has no attribute 'append'"):
+# give them the words a user knows, never the module's internal names.
+_Lazy.__name__ = _Lazy.__qualname__ = "tensor"
+_Storage.__name__ = _Storage.__qualname__ = "storage"
+
+
+# Named as the pickle names them, so that an argument error points at the pickle's call.
+def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
     return _Lazy(storage, offset, size, stride)
 
 
-def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+_rebuild_v2 = _rebuild_tensor_v2  # the name streamck.source.zero imports
+
+
+def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
     return _Lazy(storage, offset, size, stride, str(dtype))
 
 
@@ -75,8 +96,8 @@ class _WeightsOnly(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch._utils":
             fn = {
-                "_rebuild_tensor_v2": _rebuild_v2,
-                "_rebuild_tensor_v3": _rebuild_v3,
+                "_rebuild_tensor_v2": _rebuild_tensor_v2,
+                "_rebuild_tensor_v3": _rebuild_tensor_v3,
                 "_rebuild_parameter": _rebuild_parameter,
                 "_rebuild_parameter_with_state": _rebuild_parameter,
             }.get(name)
@@ -100,11 +121,32 @@ class _WeightsOnly(pickle.Unpickler):
         return storage
 
 
-def _data_offset(f, info: zipfile.ZipInfo) -> int:
+def _describe(value: object) -> str:
+    """What a pickled value is, in a user's words (never this module's class names)."""
+    if isinstance(value, _Lazy):
+        return "a tensor"
+    if isinstance(value, _Storage):
+        return "a storage"
+    return f"{value!r:.60}"
+
+
+def _read_record(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> bytes:
+    """A small record's bytes, CRC-checked; every way the archive can fail is one CheckpointError."""
+    if info.flag_bits & 1:
+        raise CheckpointError(f"archive record {info.filename} is encrypted", path)
+    try:
+        return z.read(info)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"broken zip archive: cannot read {info.filename}: {e}", path) from None
+
+
+def _data_offset(f, info: zipfile.ZipInfo, path: Path | None = None) -> int:
     f.seek(info.header_offset)
     local = f.read(30)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
-        raise CheckpointError(f"archive record {info.filename} has a bad local header")
+        raise CheckpointError(f"archive record {info.filename} has a bad local header", path)
+    if info.flag_bits & 1 or local[6] & 1:
+        raise CheckpointError(f"archive record {info.filename} is encrypted", path)
     name_len, extra_len = struct.unpack("<HH", local[26:30])
     return info.header_offset + 30 + name_len + extra_len
 
@@ -128,7 +170,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
                 raise CheckpointError(f"not a zip archive: a legacy torch file? {LEGACY_HINT}", path)
             try:
                 z = zipfile.ZipFile(f)
-            except zipfile.BadZipFile as e:
+            except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError, struct.error) as e:
                 raise CheckpointError(f"broken zip archive: {e}", path) from None
             records = {i.filename: i for i in z.infolist()}
             pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") == 1), None)
@@ -137,16 +179,21 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
             prefix = pkl[: -len("data.pkl")]
             if records[pkl].file_size > MAX_PICKLE:
                 raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
-            order = z.read(prefix + "byteorder").strip() if prefix + "byteorder" in records else b"little"
+            order = (
+                _read_record(z, records[prefix + "byteorder"], path).strip()
+                if prefix + "byteorder" in records
+                else b"little"
+            )
             if order != b"little":
                 raise CheckpointError(f"byte order {order.decode(errors='replace')!r} is not supported", path)
-            unpickler = _WeightsOnly(z.read(pkl))
+            unpickler = _WeightsOnly(_read_record(z, records[pkl], path))
             try:
                 obj = unpickler.load()
             except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as e:
                 raise CheckpointError(f"data.pkl refused: {e}", path) from None
             if not isinstance(obj, dict):
-                raise CheckpointError(f"data.pkl holds a {type(obj).__name__}, not a state dict", path)
+                what = _describe(obj) if isinstance(obj, _Lazy | _Storage) else f"a {type(obj).__name__}"
+                raise CheckpointError(f"data.pkl holds {what}, not a state dict", path)
             starts = {}
             for record in unpickler.storages:
                 info = records.get(f"{prefix}data/{record}")
@@ -156,7 +203,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
                     raise CheckpointError(
                         f"storage record data/{record} is compressed; streamck reads stored ones", path
                     )
-                starts[record] = (_data_offset(f, info), info.file_size)
+                starts[record] = (_data_offset(f, info, path), info.file_size)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None
     notices = [] if notices is None else notices
@@ -176,7 +223,7 @@ def _flatten(obj: dict | list | tuple, path: Path, prefix: str = "", out: dict |
         raise CheckpointError(f"containers nested more than {MAX_DEPTH} deep under {prefix[:80]!r}", path)
     for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
         if type(k) not in (str, int):
-            raise CheckpointError(f"state dict key {k!r:.60} is not a string or an integer", path)
+            raise CheckpointError(f"state dict key {_describe(k)} is not a string or an integer", path)
         name = f"{prefix}{k}"
         if isinstance(v, dict | list | tuple):
             _flatten(v, path, name + ".", out, depth + 1)
