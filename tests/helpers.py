@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, check: int | None = None, text: bool = True, cwd=None, env=None, **kw) -> subprocess.CompletedProcess:
+    """``python -m streamck ARGS`` with this checkout's package, in a child, output captured
+    (bytes with ``text=False``); with ``check``, its exit status is asserted."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    cmd = [sys.executable, "-m", "streamck", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=text, cwd=cwd, env=env, **kw)
+    if check is not None:
+        assert proc.returncode == check, proc.stderr
+    return proc
 
 
 def save(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> Path:

@@ -7,14 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import llama_like, raw_file, read_all, save, save_sharded
-
-
-def streamck(*args, check=None):
-    proc = subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
-    if check is not None:
-        assert proc.returncode == check, proc.stderr
-    return proc
+from helpers import cli, llama_like, raw_file, read_all, save, save_sharded
 
 
 @pytest.fixture
@@ -23,14 +16,14 @@ def ckpt(tmp_path):
 
 
 def test_ls_table_and_totals(ckpt):
-    out = streamck("ls", ckpt, check=0).stdout
+    out = cli("ls", ckpt, check=0).stdout
     assert re.search(r"^model.layers.1.mlp.up_proj.weight +F32 +\[16, 8\] +512 +model-0000", out, re.M)
     assert "model-00002-of-00002.safetensors" in out
     assert out.strip().splitlines()[-1].startswith("13 tensors in 2 file(s)")
 
 
 def test_ls_json_manifest(ckpt):
-    manifest = json.loads(streamck("ls", ckpt, "--json", check=0).stdout)
+    manifest = json.loads(cli("ls", ckpt, "--json", check=0).stdout)
     tensors = llama_like()
     assert manifest["tensors"] == {
         k: {"dtype": {"float32": "F32", "float16": "F16", "int64": "I64"}[str(v.dtype)], "shape": list(v.shape)}
@@ -42,7 +35,7 @@ def test_ls_json_manifest(ckpt):
 
 
 def test_rewrite_strip_and_drop(ckpt, tmp_path):
-    streamck(
+    cli(
         "rewrite", ckpt, "-o", tmp_path / "out", "--strip-prefix", "model.", "--drop", "*.rotary_emb.inv_freq", check=0
     )
     got = read_all(tmp_path / "out" / "model.safetensors")
@@ -53,14 +46,14 @@ def test_rewrite_strip_and_drop(ckpt, tmp_path):
 
 
 def test_rule_order_follows_the_command_line(ckpt, tmp_path):
-    a = streamck("rewrite", ckpt, "--dry-run", "--json", "--rename", "^model=m", "--rename", "^m\\.=x.", check=0)
-    b = streamck("rewrite", ckpt, "--dry-run", "--json", "--rename", "^m\\.=x.", "--rename", "^model=m", check=0)
+    a = cli("rewrite", ckpt, "--dry-run", "--json", "--rename", "^model=m", "--rename", "^m\\.=x.", check=0)
+    b = cli("rewrite", ckpt, "--dry-run", "--json", "--rename", "^m\\.=x.", "--rename", "^model=m", check=0)
     assert "x.norm.weight" in json.loads(a.stdout)["tensors"]
     assert "m.norm.weight" in json.loads(b.stdout)["tensors"]
 
 
 def test_dry_run_writes_nothing(ckpt, tmp_path):
-    out = streamck(
+    out = cli(
         "rewrite", ckpt, "-o", tmp_path / "o.safetensors", "--dry-run", "--strip-prefix", "model.", check=0
     ).stdout
     assert re.search(r"^model.norm.weight +norm.weight +F16 +\[8\] +16$", out, re.M)
@@ -71,7 +64,7 @@ def test_dry_run_writes_nothing(ckpt, tmp_path):
 def test_plan_file(ckpt, tmp_path):
     (tmp_path / "p.toml").write_text('rules = [{keep = "model.layers.0.*"}, {strip_prefix = "model.layers.0."}]\n')
     manifest = json.loads(
-        streamck("rewrite", ckpt, "--plan", tmp_path / "p.toml", "--dry-run", "--json", check=0).stdout
+        cli("rewrite", ckpt, "--plan", tmp_path / "p.toml", "--dry-run", "--json", check=0).stdout
     )
     assert sorted(manifest["tensors"]) == [
         "input_layernorm.weight",
@@ -103,7 +96,7 @@ def test_errors_are_one_line_exit_2_no_output(tmp_path, make, args, message):
     src = make(tmp_path)
     cmd, *rest = args
     out = tmp_path / "out"
-    proc = streamck(cmd, src, *[out if a == "OUT" else a for a in rest])
+    proc = cli(cmd, src, *[out if a == "OUT" else a for a in rest])
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("streamck: error: ")
     assert message in proc.stderr and "Traceback" not in proc.stderr
@@ -113,10 +106,10 @@ def test_errors_are_one_line_exit_2_no_output(tmp_path, make, args, message):
 def test_existing_output_refused_then_forced(tmp_path):
     src = save(tmp_path / "s.safetensors", {"a": np.ones(3)})
     (tmp_path / "o.safetensors").write_bytes(b"keep me")
-    proc = streamck("rewrite", src, "-o", tmp_path / "o.safetensors")
+    proc = cli("rewrite", src, "-o", tmp_path / "o.safetensors")
     assert proc.returncode == 2 and "--force" in proc.stderr
     assert (tmp_path / "o.safetensors").read_bytes() == b"keep me"
-    streamck("rewrite", src, "-o", tmp_path / "o.safetensors", "--force", check=0)
+    cli("rewrite", src, "-o", tmp_path / "o.safetensors", "--force", check=0)
 
 
 def test_ls_and_plain_rewrite_never_import_torch(ckpt, tmp_path):
@@ -181,7 +174,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
 
 
 def test_header_align_from_the_cli(ckpt, tmp_path):
-    streamck("rewrite", ckpt, "-o", tmp_path / "o.safetensors", "--header-align", "4096", check=0)
+    cli("rewrite", ckpt, "-o", tmp_path / "o.safetensors", "--header-align", "4096", check=0)
     data = (tmp_path / "o.safetensors").read_bytes()
     assert (8 + int.from_bytes(data[:8], "little")) % 4096 == 0
     assert sorted(read_all(tmp_path / "o.safetensors")) == sorted(llama_like())

@@ -3,13 +3,11 @@ on a machine with a GPU, the bits of every cast against torch's CPU Tensor.to().
 
 import contextlib
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import raw_file
+from helpers import cli, raw_file
 from test_cast import ALL_16, _f32_ties, assert_same_as_torch, cast_via_streamck
 
 from streamck import Rules, compile_plan, open_checkpoint, write_plan
@@ -227,10 +225,6 @@ def test_an_error_mid_tensor_waits_for_the_slot_streams(tmp_path, monkeypatch):
     assert {id(s) for *_, s in caster.slots} <= {id(s) for s in cuda.synced}
 
 
-def streamck(*args):
-    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
-
-
 def _checkpoint(tmp_path):
     rng = np.random.default_rng(5)
     big = (rng.standard_normal(300_001) * 3e4).astype(np.float32)  # some beyond F16's 65504
@@ -245,7 +239,7 @@ def _checkpoint(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
-    proc = streamck(
+    proc = cli(
         "rewrite", _checkpoint(tmp_path), "-o", tmp_path / "o.safetensors", "--dtype", "bf16", "--device", "cuda"
     )
     assert proc.returncode == 2
@@ -254,7 +248,7 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
 
 
 def test_unknown_device_is_refused(tmp_path):
-    proc = streamck("rewrite", _checkpoint(tmp_path), "-o", tmp_path / "o.safetensors", "--device", "gpu")
+    proc = cli("rewrite", _checkpoint(tmp_path), "-o", tmp_path / "o.safetensors", "--device", "gpu")
     assert proc.returncode == 2 and "'gpu' is not cpu, cuda or cuda:N" in proc.stderr
     assert not (tmp_path / "o.safetensors").exists()
 
@@ -292,8 +286,8 @@ def test_cli_cuda_rewrite_equals_cpu(tmp_path):
     # No NaN in the data: the whole sharded output is byte-identical to the CPU run's.
     src = _checkpoint(tmp_path)
     common = ["--dtype", "fp16", "--cast", "norm=fp32", "--max-shard-size", "300KB", "--verify", "--json"]
-    cpu = streamck("rewrite", src, "-o", tmp_path / "cpu", *common)
-    gpu = streamck("rewrite", src, "-o", tmp_path / "gpu", *common, "--device", "cuda:0")
+    cpu = cli("rewrite", src, "-o", tmp_path / "cpu", *common)
+    gpu = cli("rewrite", src, "-o", tmp_path / "gpu", *common, "--device", "cuda:0")
     assert cpu.returncode == gpu.returncode == 0, gpu.stderr
     assert json.loads(gpu.stdout)["overflow"] == json.loads(cpu.stdout)["overflow"] != {}
     names = sorted(p.name for p in (tmp_path / "cpu").iterdir())
@@ -308,7 +302,7 @@ def test_cuda_run_casts_gathered_views_on_the_cpu(tmp_path):
 
     torch.save(tricky_state_dict(), tmp_path / "a.bin")
     for device in ("cpu", "cuda"):
-        proc = streamck(
+        proc = cli(
             "rewrite",
             tmp_path / "a.bin",
             "-o",

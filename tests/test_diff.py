@@ -6,14 +6,10 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import llama_like, save, save_sharded
+from helpers import cli, llama_like, save, save_sharded
 
 from streamck import OutputError, Rules, compile_plan, open_checkpoint, write_plan
 from streamck.check import collapse, diff
-
-
-def streamck(*args):
-    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
 
 
 def test_collapse_layer_patterns():
@@ -53,20 +49,20 @@ def test_every_kind_of_difference(tmp_path):
 
 def test_equal_and_exit_codes(tmp_path):
     ck = save_sharded(tmp_path / "ck", llama_like(), 2)
-    (tmp_path / "golden.json").write_text(streamck("ls", ck, "--json").stdout)
-    same = streamck("diff", tmp_path / "golden.json", ck)
+    (tmp_path / "golden.json").write_text(cli("ls", ck, "--json").stdout)
+    same = cli("diff", tmp_path / "golden.json", ck)
     assert same.returncode == 0 and "no differences" in same.stdout
     other = save(tmp_path / "o.safetensors", {"x": np.zeros(1)})
-    assert streamck("diff", tmp_path / "golden.json", other).returncode == 1
-    bad = streamck("diff", tmp_path / "golden.json", tmp_path / "missing")
+    assert cli("diff", tmp_path / "golden.json", other).returncode == 1
+    bad = cli("diff", tmp_path / "golden.json", tmp_path / "missing")
     assert bad.returncode == 2 and bad.stderr.startswith("streamck: error:")
 
 
 def test_manifest_against_dry_run_manifest(tmp_path):
     ck = save_sharded(tmp_path / "ck", llama_like(), 2)
-    dry = streamck("rewrite", ck, "--dry-run", "--json", "--strip-prefix", "model.", "--drop", "*inv_freq").stdout
+    dry = cli("rewrite", ck, "--dry-run", "--json", "--strip-prefix", "model.", "--drop", "*inv_freq").stdout
     (tmp_path / "now.json").write_text(dry)
-    proc = streamck("diff", ck, tmp_path / "now.json", "--json")
+    proc = cli("diff", ck, tmp_path / "now.json", "--json")
     report = json.loads(proc.stdout)
     assert proc.returncode == 1
     assert "model.layers.0.self_attn.rotary_emb.inv_freq" in report["only_a"]
@@ -77,13 +73,13 @@ def test_ignore(tmp_path):
     a = save(tmp_path / "a.safetensors", {"w": np.zeros(2), "x.inv_freq": np.zeros(1)})
     b = save(tmp_path / "b.safetensors", {"w": np.zeros(2)})
     assert not diff(a, b, ignore=("*.inv_freq",))
-    assert streamck("diff", a, b, "--ignore", "*.inv_freq").returncode == 0
+    assert cli("diff", a, b, "--ignore", "*.inv_freq").returncode == 0
 
 
 def test_api_str_is_the_cli_report(tmp_path):
     a = save(tmp_path / "a.safetensors", {"w": np.zeros(2)})
     b = save(tmp_path / "b.safetensors", {"w": np.zeros(3)})
-    assert streamck("diff", a, b).stdout == str(diff(a, b)) + "\n"
+    assert cli("diff", a, b).stdout == str(diff(a, b)) + "\n"
 
 
 def test_data_finds_a_one_element_change(tmp_path):
@@ -97,32 +93,32 @@ def test_data_finds_a_one_element_change(tmp_path):
     (d,) = result.data
     assert d.name == "model.layers.1.mlp.up_proj.weight" and d.differing == 1 and d.numel == 128
     assert d.max_abs == pytest.approx(0.25, abs=1e-6)
-    proc = streamck("diff", a, b, "--data")
+    proc = cli("diff", a, b, "--data")
     assert proc.returncode == 1 and "1 of 128 elements differ, max |a-b| = 0.25" in proc.stdout
 
 
 def test_data_needs_checkpoints(tmp_path):
     a = save(tmp_path / "a.safetensors", {"w": np.zeros(2)})
-    (tmp_path / "m.json").write_text(streamck("ls", a, "--json").stdout)
-    proc = streamck("diff", a, tmp_path / "m.json", "--data")
+    (tmp_path / "m.json").write_text(cli("ls", a, "--json").stdout)
+    proc = cli("diff", a, tmp_path / "m.json", "--data")
     assert proc.returncode == 2 and "both sides must be checkpoints" in proc.stderr
 
 
 def test_hash_manifest_and_digest_diff(tmp_path):
     t = llama_like()
     a = save(tmp_path / "a.safetensors", t)
-    proc = streamck("hash", a, "--json", "-o", tmp_path / "a.sha.json")
+    proc = cli("hash", a, "--json", "-o", tmp_path / "a.sha.json")
     assert proc.returncode == 0
     hashes = json.loads((tmp_path / "a.sha.json").read_text())
     import hashlib
 
     assert hashes["tensors"]["lm_head.weight"]["sha256"] == hashlib.sha256(t["lm_head.weight"].tobytes()).hexdigest()
-    assert streamck("diff", tmp_path / "a.sha.json", a).returncode == 0
+    assert cli("diff", tmp_path / "a.sha.json", a).returncode == 0
     t["lm_head.weight"][0, 0] = 9
     b = save(tmp_path / "b.safetensors", t)
-    proc = streamck("diff", tmp_path / "a.sha.json", b)
+    proc = cli("diff", tmp_path / "a.sha.json", b)
     assert proc.returncode == 1 and "digest changed (1):" in proc.stdout and "! lm_head.weight" in proc.stdout
-    plain = streamck("hash", a).stdout.splitlines()
+    plain = cli("hash", a).stdout.splitlines()
     assert len(plain) == len(t) and plain[0].endswith("  lm_head.weight")
 
 
@@ -207,8 +203,8 @@ def test_cli_verify_failure_leaves_nothing(tmp_path, monkeypatch, capsys):
 def test_malformed_manifest_is_a_clear_error(tmp_path):
     (tmp_path / "m.json").write_text('{"tensors": {"w": {"shape": [2]}}}')
     a = save(tmp_path / "a.safetensors", {"w": np.zeros(2)})
-    proc = streamck("diff", tmp_path / "m.json", a)
+    proc = cli("diff", tmp_path / "m.json", a)
     assert proc.returncode == 2 and "tensor 'w' has no string dtype" in proc.stderr and "Traceback" not in proc.stderr
     (tmp_path / "x.json").write_text('{"nope": 1}')
-    proc = streamck("diff", tmp_path / "x.json", a)
+    proc = cli("diff", tmp_path / "x.json", a)
     assert proc.returncode == 2 and "not a manifest" in proc.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import llama_like, read_all, save, save_sharded
+from helpers import cli, llama_like, read_all, save, save_sharded
 from safetensors.torch import load_file
 
 import streamck
@@ -22,10 +22,6 @@ from streamck.writer import atomic
 from streamck.writer.atomic import remove_stale
 
 REPO = Path(streamck.__file__).resolve().parents[1]
-
-
-def streamck_cli(*args):
-    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True, cwd=REPO)
 
 
 def leftovers(directory):
@@ -48,7 +44,7 @@ def test_force_refuses_a_directory_holding_other_files(tmp_path, source):
     (models / "other_model" / "model.safetensors").write_bytes(b"keep")
     (models / "NOTES.md").write_text("mine")
     (models / "model.safetensors").write_bytes(b"old")
-    proc = streamck_cli("rewrite", source, "-o", models, "--force", "-q")
+    proc = cli("rewrite", source, "-o", models, "--force", "-q")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "NOTES.md, other_model/" in proc.stderr and str(models) in proc.stderr
     assert (models / "NOTES.md").read_text() == "mine"
@@ -63,7 +59,7 @@ def test_force_replaces_an_earlier_export_in_its_directory(tmp_path, source):
     (models / "pytorch_model.bin").write_bytes(b"stale")
     (models / "config.json").write_text("{}")
     inode = models.stat().st_ino
-    proc = streamck_cli("rewrite", source, "-o", models, "--force", "-q")
+    proc = cli("rewrite", source, "-o", models, "--force", "-q")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in models.iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(read_all(models / "model.safetensors")) == sorted(llama_like())
@@ -75,13 +71,13 @@ def test_force_replaces_an_earlier_export_in_its_directory(tmp_path, source):
 def test_force_replaces_only_the_kind_of_thing_it_writes(tmp_path, source):
     plain = tmp_path / "models"
     plain.write_text("a file, not an export")
-    proc = streamck_cli("rewrite", source, "-o", plain, "--force", "-q")
+    proc = cli("rewrite", source, "-o", plain, "--force", "-q")
     assert proc.returncode == 2 and "not a directory" in proc.stderr
     assert plain.read_text() == "a file, not an export"
     folder = tmp_path / "w.safetensors"
     folder.mkdir()
     (folder / "x").write_text("mine")
-    proc = streamck_cli("rewrite", source, "-o", folder, "--force", "-q", "--no-copy-files")
+    proc = cli("rewrite", source, "-o", folder, "--force", "-q", "--no-copy-files")
     assert proc.returncode == 2 and "is a directory" in proc.stderr
     assert (folder / "x").read_text() == "mine"
     assert leftovers(tmp_path) == []
@@ -144,7 +140,7 @@ def closed_early(*args):
 def test_closed_stdout_keeps_the_status(wide, args, code):
     a, b = wide
     args = [x.format(a=a, b=b) for x in args]
-    assert len(streamck_cli(*args).stdout) > 100_000  # beyond a pipe's 64 KiB: the writer meets EPIPE
+    assert len(cli(*args).stdout) > 100_000  # beyond a pipe's 64 KiB: the writer meets EPIPE
     assert closed_early(*args) == (code, "")
 
 
@@ -241,7 +237,7 @@ def test_nested_dicts_lists_and_tuples_are_flattened(tmp_path):
     write_plan(compile_plan(ckpt), tmp_path / "o.safetensors")
     got = load_file(tmp_path / "o.safetensors")
     assert torch.equal(got["sub.deeper.y"], sd["sub"]["deeper"]["y"]) and torch.equal(got["lst.1.0"], sd["lst"][1][0])
-    proc = streamck_cli("ls", tmp_path / "m.pt")
+    proc = cli("ls", tmp_path / "m.pt")
     assert proc.returncode == 0 and proc.stderr == f"streamck: note: {ckpt.notices[0]}\n"
 
 
@@ -265,12 +261,12 @@ def test_key_selects_one_of_several_dicts(tmp_path):
     with pytest.raises(CheckpointError, match=r"no dict under key 'opt'; top-level dicts: 'model', 'ema'"):
         open_checkpoint(tmp_path / "m.pt", key="opt")
     save(tmp_path / "ema.safetensors", {"a": np.zeros(2, np.float32)})
-    proc = streamck_cli("diff", tmp_path / "m.pt", tmp_path / "ema.safetensors", "--key", "ema", "--data")
+    proc = cli("diff", tmp_path / "m.pt", tmp_path / "ema.safetensors", "--key", "ema", "--data")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ignored: safetensors files hold no nested dicts" in proc.stderr
-    proc = streamck_cli("rewrite", tmp_path / "m.pt", "--key", "model", "-o", tmp_path / "o.safetensors", "-q")
+    proc = cli("rewrite", tmp_path / "m.pt", "--key", "model", "-o", tmp_path / "o.safetensors", "-q")
     assert proc.returncode == 0 and torch.equal(load_file(tmp_path / "o.safetensors")["a"], torch.ones(2))
-    hashes = json.loads(streamck_cli("hash", tmp_path / "m.pt", "--key", "model", "--json").stdout)
+    hashes = json.loads(cli("hash", tmp_path / "m.pt", "--key", "model", "--json").stdout)
     assert list(hashes["tensors"]) == ["a"]
 
 

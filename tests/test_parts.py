@@ -6,16 +6,12 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import llama_like, save_sharded
+from helpers import cli, llama_like, save_sharded
 
 import streamck
 from streamck import OutputError, UsageError
 from streamck.writer.layout import Shard
 from streamck.writer.parts import assign
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 --plan eagle4, side files, a full disk behind stdout, and the docs a newcomer reads."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from eagle4_drafts import make_draft
-from helpers import llama_like, read_all, save, save_sharded
+from helpers import cli, llama_like, read_all, save, save_sharded
 
 import streamck
 from streamck import PlanError, Rule, Rules, compile_plan, open_checkpoint
 from streamck.plan.eagle4_layout import BIASES, COPIED_CONFIG, TENSORS
 
 REPO = Path(streamck.__file__).resolve().parents[1]
-
-
-def cli(*args, cwd=REPO, env=None, **kw):
-    """``python -m streamck`` with this checkout's package, from ``cwd``."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    cmd = [sys.executable, "-m", "streamck", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, **kw)
 
 
 def one_line_error(proc, needle: str) -> None:

@@ -2,20 +2,14 @@
 only, and mmap), every tensor equal, sharded with an index like save_pretrained."""
 
 import json
-import subprocess
-import sys
 import zipfile
 
 import pytest
 import torch
-from helpers import llama_like, save_sharded
+from helpers import cli, llama_like, save_sharded
 
 import streamck
 from streamck import OutputError, UsageError
-
-
-def streamck_cli(*args):
-    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture
@@ -57,7 +51,7 @@ def test_single_archive_loads_with_torch(tmp_path, state, name):
 
 def test_sharded_bin_with_index_and_cast(tmp_path):
     src = save_sharded(tmp_path / "src", llama_like(layers=3), 2)
-    r = streamck_cli("rewrite", src, "-o", tmp_path / "out", "--format", "torch", "--max-shard-size", "600B",
+    r = cli("rewrite", src, "-o", tmp_path / "out", "--format", "torch", "--max-shard-size", "600B",
                      "--dtype", "bf16", "--verify", "-q")
     assert r.returncode == 0, r.stderr
     index = json.loads((tmp_path / "out" / "pytorch_model.bin.index.json").read_text())
@@ -78,7 +72,7 @@ def test_refusals(tmp_path, state):
         streamck.rewrite(tmp_path / "src.bin", tmp_path / "o.safetensors", format="torch")
     with pytest.raises(OutputError, match="needs a directory"):
         streamck.rewrite(tmp_path / "src.bin", tmp_path / "o.pth", max_shard_size=100)
-    r = streamck_cli("rewrite", tmp_path / "src.bin", "-o", "-", "--format", "torch")
+    r = cli("rewrite", tmp_path / "src.bin", "-o", "-", "--format", "torch")
     assert r.returncode == 2 and "torch archive to a path" in r.stderr
 
 

@@ -11,15 +11,11 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-from helpers import save
+from helpers import cli, save
 from safetensors.torch import load, load_file
 
 from streamck import CheckpointError, Rules, compile_plan, open_checkpoint, write_plan
 from streamck.check import diff
-
-
-def streamck(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, **kw)
 
 
 def tricky_state_dict():
@@ -94,7 +90,7 @@ def test_sharded_bin_with_index(tmp_path):
         torch.save({n: sd[n] for n in part}, tmp_path / shard)
         weight_map |= dict.fromkeys(part, shard)
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    proc = streamck("rewrite", tmp_path, "-o", tmp_path / "out", "--strip-prefix", "x", text=True)
+    proc = cli("rewrite", tmp_path, "-o", tmp_path / "out", "--strip-prefix", "x")
     assert proc.returncode == 0, proc.stderr
     got = load_file(tmp_path / "out" / "model.safetensors")
     for n, t in sd.items():
@@ -132,7 +128,7 @@ def test_verify_of_a_large_view_whose_blocks_are_not_read_chunks(tmp_path):
     # 20 MB, rows of 4000 bytes: gathered blocks never line up with 16 MiB read chunks.
     torch.save({"t": torch.randn(1000, 5003).t()}, tmp_path / "a.bin")
     for args in ([], ["--dtype", "bf16"]):
-        proc = streamck("rewrite", tmp_path / "a.bin", "-o", tmp_path / f"o{len(args)}.safetensors", "--verify", *args)
+        proc = cli("rewrite", tmp_path / "a.bin", "-o", tmp_path / f"o{len(args)}.safetensors", "--verify", *args)
         assert proc.returncode == 0, proc.stderr
 
 
@@ -148,7 +144,7 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
         z.writestr("archive/data.pkl", pickle.dumps({"w": Evil()}, protocol=2))
         z.writestr("archive/byteorder", "little")
     (tmp_path / "evil.bin").write_bytes(buf.getvalue())
-    proc = streamck("ls", tmp_path / "evil.bin", text=True)
+    proc = cli("ls", tmp_path / "evil.bin")
     assert proc.returncode == 2 and "refusing to load posix.system" in proc.stderr
     assert proc.stderr.count("\n") == 1
     assert not Evil.marker.exists()
@@ -156,7 +152,7 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
 
 def test_legacy_format_refused_with_advice(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "old.bin", _use_new_zipfile_serialization=False)
-    proc = streamck("ls", tmp_path / "old.bin", text=True)
+    proc = cli("ls", tmp_path / "old.bin")
     assert proc.returncode == 2 and "legacy torch file" in proc.stderr and "weights_only=True" in proc.stderr
 
 
@@ -183,25 +179,25 @@ def make_run(root):
 
 
 def test_run_root_needs_a_step(tmp_path):
-    proc = streamck("ls", make_run(tmp_path / "run"), text=True)
+    proc = cli("ls", make_run(tmp_path / "run"))
     assert proc.returncode == 2 and "steps 50, 900, 1000" in proc.stderr and "--step" in proc.stderr
 
 
 def test_step_latest_is_numeric_and_side_files_are_copied(tmp_path):
     run = make_run(tmp_path / "run")
-    proc = streamck(
-        "rewrite", run, "--step", "latest", "-o", tmp_path / "deploy", "--strip-prefix", "model.", "-q", text=True
+    proc = cli(
+        "rewrite", run, "--step", "latest", "-o", tmp_path / "deploy", "--strip-prefix", "model.", "-q"
     )
     assert proc.returncode == 0, proc.stderr
     deploy = tmp_path / "deploy"
     assert sorted(p.name for p in deploy.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert json.loads((deploy / "config.json").read_text()) == {"step": 1000}
     assert torch.equal(load_file(deploy / "model.safetensors")["w"], torch.full((2,), 1000.0))
-    proc = streamck("rewrite", run, "--step", "900", "-o", tmp_path / "d2", "--no-copy-files", "-q", text=True)
+    proc = cli("rewrite", run, "--step", "900", "-o", tmp_path / "d2", "--no-copy-files", "-q")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "d2").iterdir()) == ["model.safetensors"]
-    assert "checkpoint-900" in streamck("ls", run, "--step", "900", text=True).stdout
-    bad = streamck("ls", run, "--step", "7", text=True)
+    assert "checkpoint-900" in cli("ls", run, "--step", "900").stdout
+    bad = cli("ls", run, "--step", "7")
     assert bad.returncode == 2 and "no step 7 here (steps: 50, 900, 1000)" in bad.stderr
 
 
@@ -222,13 +218,13 @@ def test_stdout_stream_is_a_valid_sequential_file(tmp_path):
 
 def test_stdout_refuses_a_terminal_and_shards(tmp_path):
     src = save(tmp_path / "s.safetensors", {"a": np.ones(2)})
-    proc = streamck("rewrite", src, "-o", "-", "--max-shard-size", "1KB", text=True)
+    proc = cli("rewrite", src, "-o", "-", "--max-shard-size", "1KB")
     assert proc.returncode == 2 and "--max-shard-size" in proc.stderr
 
 
 def test_ls_and_diff_on_bin(tmp_path):
     torch.save(tricky_state_dict(), tmp_path / "a.bin")
-    manifest = json.loads(streamck("ls", tmp_path / "a.bin", "--json", text=True).stdout)
+    manifest = json.loads(cli("ls", tmp_path / "a.bin", "--json").stdout)
     assert manifest["tensors"]["transposed"] == {"dtype": "F32", "shape": [10, 6]}
     write_plan(compile_plan(open_checkpoint(tmp_path / "a.bin")), tmp_path / "b.safetensors")
     assert diff(tmp_path / "a.bin", tmp_path / "b.safetensors", data=True).equal

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -15,13 +13,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: F401  a test dependency: missing, the suite fails rather than skips
 import torch
 import zero_fixtures
+from helpers import cli
 from safetensors.torch import load_file, save_file
 
 from streamck import CheckpointError, open_checkpoint
-
-
-def streamck(*args):
-    return subprocess.run([sys.executable, "-m", "streamck", *map(str, args)], capture_output=True, text=True)
 
 
 def expected(case) -> dict:
@@ -37,7 +32,7 @@ def expected(case) -> dict:
 @pytest.mark.parametrize("name", [c["name"] for c in zero_fixtures.cases()])
 def test_rewrite_equals_zero_to_fp32(zero_cases, tmp_path, name):
     case = zero_cases[name]
-    r = streamck("rewrite", case["checkpoint"], "-o", tmp_path / "out.safetensors", "--verify", "-q")
+    r = cli("rewrite", case["checkpoint"], "-o", tmp_path / "out.safetensors", "--verify", "-q")
     assert r.returncode == 0, r.stderr
     got, want = load_file(tmp_path / "out.safetensors"), expected(case)
     assert sorted(got) == sorted(want)
@@ -50,7 +45,7 @@ def test_step_dir_run_root_and_casts(zero_cases, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(case["checkpoint"], run / "checkpoint-1")
     for src, extra in ((case["step_dir"], ()), (run, ("--step", "latest"))):
-        r = streamck("rewrite", src, *extra, "-o", tmp_path / "o.safetensors", "--dtype", "bf16", "--force", "-q")
+        r = cli("rewrite", src, *extra, "-o", tmp_path / "o.safetensors", "--dtype", "bf16", "--force", "-q")
         assert r.returncode == 0, r.stderr
         got = load_file(tmp_path / "o.safetensors")
         for n, t in expected(case).items():
@@ -64,7 +59,7 @@ def test_placeholders_beside_zero_state_read_the_zero_state(zero_cases, tmp_path
     want = expected(case)
     # What Trainer saves under ZeRO-3 without gathering: every tensor of size 0.
     save_file({n: torch.empty(0, dtype=t.dtype) for n, t in want.items()}, ckpt / "model.safetensors")
-    r = streamck("ls", ckpt)
+    r = cli("ls", ckpt)
     assert r.returncode == 0 and "size-0 placeholders: reading the ZeRO state in global_step1" in r.stderr
     assert open_checkpoint(ckpt).tensors["embed.weight"].shape == tuple(want["embed.weight"].shape)
 
@@ -76,11 +71,11 @@ def test_complete_weights_are_the_default_and_zero_takes_the_master(zero_cases, 
     want = expected(case)
     save_file({n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in want.items()},
               ckpt / "model.safetensors")
-    r = streamck("ls", ckpt)
+    r = cli("ls", ckpt)
     assert r.returncode == 0 and "--zero reads its fp32 master weights" in r.stderr
     assert open_checkpoint(ckpt).tensors["embed.weight"].dtype == "BF16"
     assert open_checkpoint(ckpt, zero=True).tensors["embed.weight"].dtype == "F32"
-    r = streamck("rewrite", ckpt, "--zero", "-o", tmp_path / "o.safetensors", "-q")
+    r = cli("rewrite", ckpt, "--zero", "-o", tmp_path / "o.safetensors", "-q")
     assert r.returncode == 0, r.stderr
     assert torch.equal(load_file(tmp_path / "o.safetensors")["embed.weight"], want["embed.weight"])
     with pytest.raises(CheckpointError, match="no DeepSpeed ZeRO state"):
@@ -91,6 +86,6 @@ def test_missing_rank_file_is_one_line(zero_cases, tmp_path):
     ckpt = tmp_path / "checkpoint-1"
     shutil.copytree(zero_cases["z3_w3_fp32"]["checkpoint"], ckpt)
     next((ckpt / "global_step1").glob("*rank_1_*optim_states.pt")).unlink()
-    r = streamck("rewrite", ckpt, "-o", tmp_path / "out")
+    r = cli("rewrite", ckpt, "-o", tmp_path / "out")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
