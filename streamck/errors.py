@@ -16,6 +16,7 @@ class StreamckError(Exception):
 
     def __init__(self, message: str, path: str | os.PathLike | None = None):
         self.path = None if path is None else os.fspath(path)
+        self.message = message
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
 

@@ -89,3 +89,20 @@ def test_missing_rank_file_is_one_line(zero_cases, tmp_path):
     r = cli("rewrite", ckpt, "-o", tmp_path / "out")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_file_with_a_bad_crc_is_one_line(zero_cases, tmp_path):
+    import zipfile
+
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(zero_cases["z3_w2_fp32"]["checkpoint"], ckpt)
+    rank = next((ckpt / "global_step1").glob("*rank_1_*optim_states.pt"))
+    info = next(i for i in zipfile.ZipFile(rank).infolist() if i.filename.endswith("data.pkl"))
+    raw = bytearray(rank.read_bytes())
+    name, extra = int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little"), int.from_bytes(
+        raw[info.header_offset + 28 : info.header_offset + 30], "little"
+    )
+    raw[info.header_offset + 30 + name + extra + info.file_size // 2] ^= 0xFF  # inside the pickle's bytes
+    rank.write_bytes(bytes(raw))
+    r = cli("ls", ckpt)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -32,7 +32,7 @@ from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
 from streamck.source.header import read_header
 from streamck.source.runs import Tile, tiling_error
-from streamck.source.torchzip import MAX_PICKLE, TORCH_DTYPES, _Lazy, _WeightsOnly
+from streamck.source.torchzip import MAX_PICKLE, TORCH_DTYPES, _Lazy, load_archive
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 METADATA_FILE = ".metadata"
@@ -368,25 +368,9 @@ def _blob_tensor(f, where: _Location, size: int, name: str, chunk: str) -> tuple
         )
     window = _Window(f, where.offset, where.length)
     try:
-        z = zipfile.ZipFile(window)
-        records = {i.filename: i for i in z.infolist()}
-        pkl = next((n for n in records if n.endswith("/data.pkl") and n.count("/") == 1), None)
-        if pkl is None:
-            raise CheckpointError(f"{what}: blob at byte {where.offset} has no data.pkl", where.path)
-        prefix = pkl[: -len("data.pkl")]
-        if records[pkl].file_size > MAX_PICKLE:
-            raise CheckpointError(f"{what}: data.pkl is {records[pkl].file_size} bytes", where.path)
-        order = z.read(prefix + "byteorder").strip() if prefix + "byteorder" in records else b"little"
-        if order != b"little":
-            raise CheckpointError(f"{what}: byte order {order.decode(errors='replace')!r} is not little", where.path)
-        unpickler = _WeightsOnly(z.read(pkl))
-        obj = unpickler.load()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, KeyError, ValueError, struct.error) as e:
-        raise CheckpointError(
-            f"{what}: blob at byte {where.offset} is not a torch.save archive: {e}", where.path
-        ) from None
-    except (pickle.UnpicklingError, TypeError, AttributeError, IndexError) as e:
-        raise CheckpointError(f"{what}: data.pkl refused: {e}", where.path) from None
+        obj, _, records, prefix = load_archive(window, where.path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{what}: blob at byte {where.offset}: {e.message}", where.path) from None
     if not isinstance(obj, _Lazy):
         raise CheckpointError(f"{what}: blob holds a {type(obj).__name__}, not a tensor", where.path)
     info = records.get(f"{prefix}data/{obj.storage.key}")

@@ -151,6 +151,38 @@ def _data_offset(f, info: zipfile.ZipInfo, path: Path | None = None) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
+def load_archive(
+    f, path: Path, unpickler: type[_WeightsOnly] = _WeightsOnly
+) -> tuple[object, dict[str, _Storage], dict[str, zipfile.ZipInfo], str]:
+    """Unpickle the ``data.pkl`` of the torch.save archive in the open file ``f`` under
+    ``unpickler``'s allow-list: (the object, its storages by key, the archive's records
+    by name, the records' folder). Every way the archive can be malformed (not a zip, no
+    data.pkl, too large a pickle, big-endian, a bad CRC, a refused pickle) is one
+    CheckpointError naming ``path``; where the storages' bytes lie is the caller's."""
+    try:
+        z = zipfile.ZipFile(f)
+    except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError, struct.error) as e:
+        raise CheckpointError(f"broken zip archive: {e}", path) from None
+    records = {i.filename: i for i in z.infolist()}
+    pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") == 1), None)
+    if pkl is None:
+        raise CheckpointError("zip archive without a data.pkl: not a torch checkpoint", path)
+    prefix = pkl[: -len("data.pkl")]
+    if records[pkl].file_size > MAX_PICKLE:
+        raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
+    order = (
+        _read_record(z, records[prefix + "byteorder"], path).strip() if prefix + "byteorder" in records else b"little"
+    )
+    if order != b"little":
+        raise CheckpointError(f"byte order {order.decode(errors='replace')!r} is not supported", path)
+    loader = unpickler(_read_record(z, records[pkl], path))
+    try:
+        obj = loader.load()
+    except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as e:
+        raise CheckpointError(f"data.pkl refused: {e}", path) from None
+    return obj, loader.storages, records, prefix
+
+
 def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None = None) -> Header:
     """Index the tensors of a ``torch.save`` zip archive at ``path`` from its pickle alone.
 
@@ -168,34 +200,12 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
         with open(path, "rb") as f:
             if f.read(4) != b"PK\x03\x04":
                 raise CheckpointError(f"not a zip archive: a legacy torch file? {LEGACY_HINT}", path)
-            try:
-                z = zipfile.ZipFile(f)
-            except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError, struct.error) as e:
-                raise CheckpointError(f"broken zip archive: {e}", path) from None
-            records = {i.filename: i for i in z.infolist()}
-            pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") == 1), None)
-            if pkl is None:
-                raise CheckpointError("zip archive without a data.pkl: not a torch checkpoint", path)
-            prefix = pkl[: -len("data.pkl")]
-            if records[pkl].file_size > MAX_PICKLE:
-                raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
-            order = (
-                _read_record(z, records[prefix + "byteorder"], path).strip()
-                if prefix + "byteorder" in records
-                else b"little"
-            )
-            if order != b"little":
-                raise CheckpointError(f"byte order {order.decode(errors='replace')!r} is not supported", path)
-            unpickler = _WeightsOnly(_read_record(z, records[pkl], path))
-            try:
-                obj = unpickler.load()
-            except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as e:
-                raise CheckpointError(f"data.pkl refused: {e}", path) from None
+            obj, storages, records, prefix = load_archive(f, path)
             if not isinstance(obj, dict):
                 what = _describe(obj) if isinstance(obj, _Lazy | _Storage) else f"a {type(obj).__name__}"
                 raise CheckpointError(f"data.pkl holds {what}, not a state dict", path)
             starts = {}
-            for record in unpickler.storages:
+            for record in storages:
                 info = records.get(f"{prefix}data/{record}")
                 if info is None:
                     raise CheckpointError(f"storage record data/{record} is missing", path)

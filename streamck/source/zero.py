@@ -38,7 +38,7 @@ from typing import NamedTuple
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError, listing
 from streamck.source.runs import Tile, tiling_error
-from streamck.source.torchzip import MAX_PICKLE, _data_offset, _Lazy, _rebuild_v2, _WeightsOnly
+from streamck.source.torchzip import _data_offset, _Lazy, _rebuild_v2, _WeightsOnly, load_archive
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -137,32 +137,14 @@ class _RankFile:
             with open(path, "rb") as f:
                 if f.read(4) != b"PK\x03\x04":
                     raise CheckpointError("not a zip archive (a legacy torch file?)", path)
-                try:
-                    z = zipfile.ZipFile(f)
-                except zipfile.BadZipFile as e:
-                    raise CheckpointError(f"broken zip archive: {e}", path) from None
-                records = {i.filename: i for i in z.infolist()}
-                pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") == 1), None)
-                if pkl is None:
-                    raise CheckpointError("zip archive without a data.pkl: not a torch checkpoint", path)
-                if records[pkl].file_size > MAX_PICKLE:
-                    raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
-                prefix = pkl[: -len("data.pkl")]
-                order = z.read(prefix + "byteorder").strip() if prefix + "byteorder" in records else b"little"
-                if order != b"little":
-                    raise CheckpointError(f"byte order {order.decode(errors='replace')!r} is not supported", path)
-                unpickler = _ZeroPickle(z.read(pkl))
-                try:
-                    self.obj = unpickler.load()
-                except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as e:
-                    raise CheckpointError(f"data.pkl refused: {e}", path) from None
+                self.obj, storages, records, prefix = load_archive(f, path, _ZeroPickle)
                 self.records: dict[str, tuple[int, int]] = {}  # stored records only: start, size
-                for key in unpickler.storages:
+                for key in storages:
                     info = records.get(f"{prefix}data/{key}")
                     if info is None:
                         raise CheckpointError(f"storage record data/{key} is missing", path)
                     if info.compress_type == zipfile.ZIP_STORED:
-                        self.records[key] = (_data_offset(f, info), info.file_size)
+                        self.records[key] = (_data_offset(f, info, path), info.file_size)
         except OSError as e:
             raise CheckpointError(f"cannot read: {e.strerror}", path) from None
         if not isinstance(self.obj, dict):
