@@ -106,18 +106,19 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
         inmem.append(float(proc.stdout))
     _, s_rss = run_child(rw(small)(out), a.settle)
     shutil.rmtree(out)
-    _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
+    _, base_rss = run_child([PY, "-c", "import numpy, streamck"], a.settle)
     base = runs["cp -r + sync (source)"].wall
     return (
         f"Checkpoint: {data / 2**30:.2f} GiB F32 in {len(list(big.glob('*.safetensors')))} shards, largest "
         f"tensor {embed / 2**30:.2f} GiB; output BF16. {a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
         + table(runs, "cp -r + sync (source)", data)
-        + f"\n\nIn-memory torch `copy_` F32→BF16 of the same {data / 2**30:.2f} GiB (compute ceiling, no I/O): "
+        + f"\n\nIn-memory numpy conversion (streamck's converter) F32→BF16 of the same {data / 2**30:.2f} GiB "
+        "(compute ceiling, no I/O): "
         f"median {statistics.median(inmem):.2f} s = {statistics.median(inmem) / base:.2f} × cp, "
         f"{data / statistics.median(inmem) / 1e9:.2f} GB/s.\n\n"
         f"streamck peak RSS: {mib(s_rss)} at {size // 4 / 2**30:.2f} GiB (largest tensor "
         f"{embed // 4 / 2**30:.2f} GiB) vs {mib(runs['streamck --dtype bf16'].peak)} at {size / 2**30:.2f} GiB; "
-        f"`python -c 'import torch'` alone peaks at {mib(torch_rss)}."
+        f"`python -c 'import numpy, streamck'` alone peaks at {mib(base_rss)} (no torch is imported)."
         + chart(a, runs, "cast", f"F32→BF16 cast of {data / 2**30:.1f} GiB: RSS over time")
     )
 

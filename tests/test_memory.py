@@ -15,13 +15,9 @@ TENSOR = 256 * MIB
 CHILD = """
 import sys
 from streamck import Rules, compile_plan, open_checkpoint, write_plan
-if sys.argv[1] == "cast":
-    import torch  # noqa: F401  the baseline run imports it too
-if sys.argv[1] != "baseline-cast" and sys.argv[1] != "baseline":
+if sys.argv[1] != "baseline":
     rules = Rules((), "bf16" if sys.argv[1] == "cast" else None)
     write_plan(compile_plan(open_checkpoint(sys.argv[2]), rules), sys.argv[3])
-elif sys.argv[1] == "baseline-cast":
-    import torch  # noqa: F401
 """
 
 
@@ -48,8 +44,9 @@ def big(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["copy", "cast"])
 def test_rewrite_of_a_256_mib_tensor_stays_small(big, tmp_path, mode):
-    base = _peak_mib("baseline-cast" if mode == "cast" else "baseline")
+    base = _peak_mib("baseline")
     peak = _peak_mib(mode, str(big), str(tmp_path / "out.safetensors"))
     assert (tmp_path / "out.safetensors").stat().st_size > TENSOR // 2
-    # Holding the tensor would add 256 MiB (copy) or 256 + 128 MiB (cast).
-    assert peak - base < 80, f"{mode}: peak {peak:.0f} MiB, baseline {base:.0f} MiB"
+    # Holding the tensor would add 256 MiB (copy) or 256 + 128 MiB (cast); the cast holds
+    # about three 4 MiB steps and numpy's scratch, and imports no torch.
+    assert peak - base < 48, f"{mode}: peak {peak:.0f} MiB, baseline {base:.0f} MiB"

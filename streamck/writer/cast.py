@@ -1,44 +1,35 @@
 """Casting tensor bytes chunk by chunk into reused buffers, on the CPU (CUDA: cudacast).
 
-torch does the arithmetic, so every cast gives exactly the bits of
-``Tensor.to(dtype)`` on the CPU; it is imported only when a plan casts.
+The arithmetic is numpy's (streamck.writer.npcast), made to give exactly the bits of
+torch's CPU ``Tensor.to(dtype)``; torch is not imported here (only ``torch_dtype``,
+for the CUDA caster and ``--verify``, needs it). A reader thread fills the next input
+buffer while the current one is converted and written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
 
 from streamck.dtypes import BITS, CASTABLE, TORCH_NAMES
 from streamck.fileio import write_all
 from streamck.source.reader import CHUNK, TensorStream
+from streamck.writer.npcast import Converter
+from streamck.writer.npcast import can_overflow as can_overflow
 
-# Source bytes per cast step: the reader's buffer size. These pages live in this
-# process (input, output and two flag temporaries), on top of torch's ~200 MiB.
+# Source bytes per cast step of the CUDA caster (the reader's buffer size). The CPU caster
+# caps its own steps at CPU_STEP: it holds two inputs and an output, and 4 MiB steps
+# already keep a pipeline of read, convert and write busy.
 CAST_CHUNK = CHUNK
+CPU_STEP = 4 << 20
 
 ITEMSIZE = {name: BITS[name] // 8 for name in CASTABLE}
-# Largest finite value of each castable dtype, to know which casts can overflow.
-_RANGE = {"F64": 1.8e308, "F32": 3.4028234664e38, "BF16": 3.3895313892e38, "F16": 65504.0}
-
-
-def can_overflow(src: str, dst: str) -> bool:
-    """Whether casting ``src`` to ``dst`` can turn a finite value into infinity."""
-    return _RANGE[dst] < _RANGE[src]
-
-
-def _new_infinities(a, b, dst: str) -> int:
-    """Finite values of ``a`` that became infinite in ``b``. Counting is slow (~10 ms per
-    4M elements here) and almost never needed: one min/max pass rules it out first."""
-    import torch
-
-    lo, hi = torch.aminmax(a)
-    if max(-float(lo), float(hi)) <= _RANGE[dst]:  # False for NaN or inf: then count
-        return 0
-    return int((torch.isinf(b) & ~torch.isinf(a)).sum())
 
 
 def torch_dtype(name: str):
-    """The torch dtype of a castable safetensors dtype name."""
+    """The torch dtype of a castable safetensors dtype name (imports torch)."""
     import torch
 
     return getattr(torch, TORCH_NAMES[name])
@@ -55,16 +46,19 @@ def chunk_steps(chunk: int, numel: int, src: str, dst: str) -> list[tuple[int, i
 class Caster:
     """Casts tensors on the CPU and appends the result to a destination fd.
 
-    Holds one input and one output buffer of about ``chunk`` bytes each, reused for
-    every tensor.
+    Holds two input buffers and one output buffer of at most ``chunk`` bytes each (and
+    ``CPU_STEP``), reused for every tensor, and one reader thread, started for the first
+    tensor that takes more than one step. A tensor's stream is only ever read by that
+    thread while its steps run, one read at a time, in order.
     """
 
     def __init__(self, chunk: int = CAST_CHUNK):
-        import torch
-
-        self.chunk = chunk
-        self.host_in = torch.empty(chunk, dtype=torch.uint8)
-        self.host_out = torch.empty(chunk, dtype=torch.uint8)
+        self.chunk = max(min(chunk, CPU_STEP), max(ITEMSIZE.values()))
+        self.host_in = [np.empty(self.chunk, np.uint8) for _ in range(2)]
+        self.host_out = np.empty(self.chunk, np.uint8)
+        self.converter = Converter()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None  # the read of the next step, under way
 
     def cast(self, stream: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None) -> int:
         """Cast the tensor that ``stream`` reads to ``dst`` and append it to the fd ``out``.
@@ -78,18 +72,40 @@ class Caster:
 
     def convert(self, stream: TensorStream, dst: str) -> Iterator[tuple[memoryview, int]]:
         """Step by step: (output bytes, finite values that became infinite), each view valid
-        until the next step."""
-        src, inp = stream.ref.dtype, memoryview(self.host_in.numpy())
-        si = ITEMSIZE[src]
-        for _, k in chunk_steps(self.chunk, stream.ref.numel, src, dst):
-            stream.readinto(inp[: k * si])
-            yield self._step(k, src, dst)
+        until the next step. The next step's input is read meanwhile."""
+        src = stream.ref.dtype
+        si, di = ITEMSIZE[src], ITEMSIZE[dst]
+        per = self.chunk // max(si, di)
+        steps = [min(per, stream.ref.numel - i) for i in range(0, stream.ref.numel, per)]
 
-    def _step(self, k: int, src: str, dst: str) -> tuple[memoryview, int]:
-        """Cast the first ``k`` elements of the input buffer into the output buffer."""
-        di = ITEMSIZE[dst]
-        a = self.host_in[: k * ITEMSIZE[src]].view(torch_dtype(src))
-        b = self.host_out[: k * di].view(torch_dtype(dst))
-        b.copy_(a)
-        inf = _new_infinities(a, b, dst) if can_overflow(src, dst) else 0
-        return memoryview(self.host_out.numpy())[: k * di], inf
+        def read(i: int) -> None:
+            stream.readinto(memoryview(self.host_in[i % 2])[: steps[i] * si])
+
+        self._settle()  # an earlier tensor's generator left unfinished and not yet collected
+        mine: Future | None = None
+        try:
+            for i, k in enumerate(steps):
+                if mine is None:
+                    read(i)
+                else:
+                    mine.result()
+                    mine = self._pending = None
+                if i + 1 < len(steps):  # the other buffer: its step was converted already
+                    mine = self._pending = self._reader().submit(read, i + 1)
+                inp, out = self.host_in[i % 2][: k * si], self.host_out[: k * di]
+                inf = self.converter.convert(src, dst, inp, out)
+                yield memoryview(out), inf
+        finally:  # abandoned or failed: no read of ours may still be filling a buffer afterwards
+            if mine is not None and self._pending is mine:
+                self._settle()
+
+    def _settle(self) -> None:
+        """Wait for (or cancel) the read under way, if any; its error no longer matters."""
+        if self._pending is not None:
+            future, self._pending = self._pending, None
+            future.cancel() or future.exception()
+
+    def _reader(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamck-cast-read")
+        return self._pool

@@ -16,14 +16,9 @@ from streamck.writer.layout import Shard
 def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
     # A cast's NaN payload may legitimately differ (torch's vector and scalar loops
     # disagree, and so do CPU and CUDA); any other difference is a real one.
-    import torch
+    from streamck.writer.npcast import equal_but_nan_bits
 
-    from streamck.writer.cast import torch_dtype
-
-    x = torch.frombuffer(bytearray(a), dtype=torch_dtype(dtype))
-    y = torch.frombuffer(bytearray(b), dtype=torch_dtype(dtype))
-    same = (x.view(torch.uint8) == y.view(torch.uint8)).view(-1, x.element_size()).all(1)
-    return bool((same | (torch.isnan(x) & torch.isnan(y))).all())
+    return equal_but_nan_bits(a, b, dtype)
 
 
 def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iterator[memoryview]:
