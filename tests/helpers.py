@@ -50,11 +50,16 @@ def save_sharded(directory: Path, tensors: dict[str, np.ndarray], n: int, index:
     return directory
 
 
-def raw_file(path: Path, header: dict | bytes, data: bytes = b"", length: int | None = None) -> Path:
-    """A file from a header (dict or raw bytes) and data, written by hand."""
+def raw_bytes(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    """A safetensors file's bytes from a header (dict, or raw JSON bytes) and data, by hand:
+    ``length`` overrides the 8-byte header length."""
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    n = len(raw) if length is None else length
-    path.write_bytes(struct.pack("<Q", n) + raw + data)
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def raw_file(path: Path, header: dict | bytes, data: bytes = b"", length: int | None = None) -> Path:
+    """raw_bytes written to ``path``."""
+    path.write_bytes(raw_bytes(header, data, length))
     return path
 
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import struct
 
+from helpers import raw_bytes
 
-def _file(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+_file = raw_bytes
 
 
 def _compact(header: dict, data: bytes = b"") -> bytes:

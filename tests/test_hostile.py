@@ -6,6 +6,7 @@ import struct
 
 import orjson
 import pytest
+from helpers import raw_bytes, raw_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from malformed import (
@@ -247,7 +248,7 @@ def test_huge_claims_allocate_nothing(tmp_path):
     # 10^12-byte header length and a tensor claiming 1 TB: refused from the header alone.
     big = tmp_path / "big.safetensors"
     hdr = json.dumps({"a": {"dtype": "U8", "shape": [10**12], "data_offsets": [0, 10**12]}}).encode()
-    big.write_bytes(struct.pack("<Q", len(hdr)) + hdr + b"x" * 10)
+    raw_file(big, hdr, b"x" * 10)
 
     def limit():  # 512 MiB of address space: any attempt to buffer the claim would fail
         resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
@@ -269,8 +270,7 @@ def _shard(directory, name, tensors):
         header[t] = {"dtype": "U8", "shape": [2], "data_offsets": [off, off + 2]}
         data += b"xy"
         off += 2
-    raw = json.dumps(header).encode()
-    (directory / name).write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    raw_file(directory / name, header, data)
 
 
 @pytest.mark.parametrize(
@@ -424,7 +424,7 @@ def headers(draw):
         text = text.replace(marker, value)
     raw = text.encode("utf-8", "surrogatepass")
     data = bytes(min(4096, max(0, offset + draw(skew))))
-    return struct.pack("<Q", len(raw)) + raw + data
+    return raw_bytes(raw, data)
 
 
 @st.composite

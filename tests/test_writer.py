@@ -269,3 +269,20 @@ def test_header_over_the_readers_cap_is_refused_before_writing(tmp_path, monkeyp
         run(src, tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
     run(src, tmp_path / "out", max_shard_size=200)  # small shards have small headers
+
+
+def test_the_writer_counts_its_bytes_against_the_layout(tmp_path, monkeypatch):
+    from streamck.source.reader import Reader
+
+    src = save(tmp_path / "m.safetensors", {"a": np.arange(1000, dtype=np.float32)})
+    real = Reader.copy
+
+    def short(self, ref, out, progress=lambda n: None):  # a copy that silently loses its last bytes
+        real(self, ref, out, progress)
+        os.ftruncate(out, os.fstat(out).st_size - 4)
+        os.lseek(out, 0, os.SEEK_END)
+
+    monkeypatch.setattr(Reader, "copy", short)
+    with pytest.raises(OutputError, match="wrote .* bytes where the layout has"):
+        write_plan(compile_plan(open_checkpoint(src)), tmp_path / "out" / "o.safetensors")
+    assert not (tmp_path / "out" / "o.safetensors").exists()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from streamck.errors import UsageError
+from streamck.errors import OutputError, UsageError
 from streamck.fileio import write_all
 from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
@@ -135,12 +135,16 @@ class ShardWriter:
         return self._cpu_caster
 
     def write_file(self, shard: Shard, path: Path) -> None:
-        """Write ``shard`` into a new file at ``path``; syncing it is the caller's (see Syncer)."""
+        """Write ``shard`` into a new file at ``path``; syncing it is the caller's (see Syncer).
+        A file whose size is not the layout's (a source that shrank, a short copy) is an error."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             self.write(shard, fd)
+            written = os.fstat(fd).st_size
         finally:
             os.close(fd)
+        if written != shard.size:
+            raise OutputError(f"wrote {written} bytes where the layout has {shard.size}", path)
 
 
 class _Stopped(Exception):
