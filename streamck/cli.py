@@ -84,7 +84,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     ]
     table(rows)
     print(
-        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) under {ckpt.root}, {human(ckpt.total_size)} "
+        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) "
+        f"{'under ' + str(ckpt.root) if ckpt.path.is_dir() else 'in ' + str(ckpt.path)}, {human(ckpt.total_size)} "
         f"({ckpt.total_size} bytes)"
     )
     return 0
@@ -213,8 +214,16 @@ def _source_options(parser: argparse.ArgumentParser, step: bool = True) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported like every other error: one line, exit 2
+    (``--help`` still shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streamck", description="Memory-streaming safetensors rewriter.")
+    parser = _Parser(prog="streamck", description="Memory-streaming safetensors rewriter.")
     parser.add_argument("--version", action="version", version=f"streamck {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

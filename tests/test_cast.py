@@ -145,7 +145,7 @@ def test_cast_rules_precedence(tmp_path):
 
 
 def test_cast_naming_an_integer_tensor_is_an_error(tmp_path):
-    with pytest.raises(PlanError, match="'c.step', a I64 tensor, which is never cast"):
+    with pytest.raises(PlanError, match="'c.step', an I64 tensor, which is never cast"):
         compile_plan(open_checkpoint(_mixed(tmp_path)), Rules((Rule("cast", "c.*=bf16"),)))
 
 

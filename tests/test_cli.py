@@ -35,9 +35,7 @@ def test_ls_json_manifest(ckpt):
 
 
 def test_rewrite_strip_and_drop(ckpt, tmp_path):
-    cli(
-        "rewrite", ckpt, "-o", tmp_path / "out", "--strip-prefix", "model.", "--drop", "*.rotary_emb.inv_freq", check=0
-    )
+    cli("rewrite", ckpt, "-o", tmp_path / "out", "--strip-prefix", "model.", "--drop", "*.rotary_emb.inv_freq", check=0)
     got = read_all(tmp_path / "out" / "model.safetensors")
     src = llama_like()
     expected = {k.removeprefix("model."): v for k, v in src.items() if not k.endswith("inv_freq")}
@@ -63,9 +61,7 @@ def test_dry_run_writes_nothing(ckpt, tmp_path):
 
 def test_plan_file(ckpt, tmp_path):
     (tmp_path / "p.toml").write_text('rules = [{keep = "model.layers.0.*"}, {strip_prefix = "model.layers.0."}]\n')
-    manifest = json.loads(
-        cli("rewrite", ckpt, "--plan", tmp_path / "p.toml", "--dry-run", "--json", check=0).stdout
-    )
+    manifest = json.loads(cli("rewrite", ckpt, "--plan", tmp_path / "p.toml", "--dry-run", "--json", check=0).stdout)
     assert sorted(manifest["tensors"]) == [
         "input_layernorm.weight",
         "mlp.up_proj.weight",
@@ -178,3 +174,11 @@ def test_header_align_from_the_cli(ckpt, tmp_path):
     data = (tmp_path / "o.safetensors").read_bytes()
     assert (8 + int.from_bytes(data[:8], "little")) % 4096 == 0
     assert sorted(read_all(tmp_path / "o.safetensors")) == sorted(llama_like())
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["--bogus"], ["diff", "a"], ["rewrite", "x", "-o", "y", "--max-shard-size", "-5GB"]]
+)
+def test_usage_mistakes_are_one_line(args):
+    proc = cli(*args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--help" in proc.stderr, proc.stderr

@@ -67,7 +67,8 @@ def resolve_dtype(rules: Rules, ref: TensorRef, used: set[int] | None = None) ->
     ``used`` collects the index of the deciding --cast (see Rules.unused)."""
     explicit = rules.cast_for(ref.name, used)
     if explicit is not None and ref.dtype not in CASTABLE:
-        raise PlanError(f"--cast matches {ref.name!r}, a {ref.dtype} tensor, which is never cast")
+        article = "an" if ref.dtype[0] in "IF" else "a"  # an I64, an F8_E4M3; a U8, a BOOL
+        raise PlanError(f"--cast matches {ref.name!r}, {article} {ref.dtype} tensor, which is never cast")
     dtype = explicit or (rules.dtype if rules.dtype is not None and ref.dtype in CASTABLE else ref.dtype)
     return dtype
 

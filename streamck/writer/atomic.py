@@ -210,7 +210,7 @@ def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool
     if not is_dir and real_dir:
         raise OutputError("is a directory; a .safetensors output is one file", final)
     if is_dir and not real_dir:
-        raise OutputError("is not a directory (a file or a link); a directory output replaces only a directory", final)
+        raise OutputError("is not a directory; a directory output replaces only a directory", final)
     if is_dir:
         if not any(final.iterdir()):
             return
