@@ -141,6 +141,13 @@ def _worker(rank: int, port: int, out: str, shape: tuple[int, int, int, int]) ->
     dist.destroy_process_group()
 
 
+def _drop_shm(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves its shared-memory buffers in /dev/shm (GiBs over a
+    test session): remove this run's, named by its port."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,7 +161,11 @@ def make_zero(root: Path, size: int) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     os.environ["DS_ACCELERATOR"] = "cpu"
-    mp.start_processes(_worker, args=(_free_port(), str(root), dims(size)), nprocs=WORLD, start_method="spawn")
+    port = _free_port()
+    try:
+        mp.start_processes(_worker, args=(port, str(root), dims(size)), nprocs=WORLD, start_method="spawn")
+    finally:
+        _drop_shm(port)
     os.sync()
     return root / "checkpoint-1"
 

@@ -159,6 +159,13 @@ def _oracle(case_dir: Path) -> None:
     torch.save({k: v.contiguous().clone() for k, v in sd.items()}, case_dir / "oracle.pt")
 
 
+def _drop_shm(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves its shared-memory buffers in /dev/shm (GiBs over a
+    test session): remove this run's, named by its port."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,7 +189,11 @@ def make_zero_checkpoints(root: Path) -> list[dict]:
         todo = cases()
         for world in WORLDS:
             mine = [c for c in todo if c["world"] == world]
-            mp.start_processes(_worker, args=(world, _free_port(), mine, str(tmp)), nprocs=world, start_method="spawn")
+            port = _free_port()
+            try:
+                mp.start_processes(_worker, args=(world, port, mine, str(tmp)), nprocs=world, start_method="spawn")
+            finally:
+                _drop_shm(port)
         for c in todo:
             _oracle(tmp / c["name"])
         (tmp / "cases.json").write_text(json.dumps(todo, indent=1))
