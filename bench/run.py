@@ -402,6 +402,33 @@ def case_zero(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+def _rewrite_jobs(src: Path, jobs: int, extra: list[str]) -> Callable[[Path], list[str]]:
+    return lambda o: streamck("rewrite", str(src), "-o", str(o), "-q", "--jobs", str(jobs), *extra)
+
+
+@case
+def case_jobs(a: argparse.Namespace, tmp: Path) -> str:
+    """--jobs 1/2/4: copies and casts into tmpfs (CPU the limit) and onto disk."""
+    size = parse_size(a.size)
+    src = make_checkpoint(tmp / "src", size, size // 16, shard=size // 8)
+    data = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    shm = Path(tempfile.mkdtemp(prefix="streamck-bench-jobs-", dir="/dev/shm"))
+    parts = []
+    try:
+        for where, out in (("tmpfs", shm / "out"), ("disk", tmp / "out")):
+            for what, extra in (("copy", []), ("cast", ["--dtype", "bf16"])):
+                contenders = {f"--jobs {j}": _rewrite_jobs(src, j, extra) for j in (1, 2, 4)}
+                runs = contend(contenders, out, a.reps, a.settle)
+                parts.append(f"**{what} into {where}**\n\n" + table(runs, "--jobs 1", data))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return (
+        f"Checkpoint: {data / 2**30:.2f} GiB F32 in {len(list(src.glob('*.safetensors')))} shards (page cache warm). "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle; the machine has {os.cpu_count()} cores.\n\n"
+        + "\n\n".join(parts)
+    )
+
+
 def _ds_version() -> str:
     proc = subprocess.run(
         [PY, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"], capture_output=True, text=True
@@ -422,7 +449,7 @@ def record(name: str, text: str) -> None:
     path.write_text(doc)
 
 
-DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB"}
+DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB"}
 
 
 def main() -> None:

@@ -56,13 +56,15 @@ def build_plan(
     if plan is not None and os.fspath(plan) in BUILTIN_PLANS:
         if isinstance(source, Checkpoint):
             raise UsageError(f"plan {plan!r} opens its own source: pass a path, not a Checkpoint")
+        if key is not None or zero:
+            raise UsageError(f"--key and --zero do not apply to --plan {plan}, which reads safetensors")
         path = pick_step(Path(source), step) if step is not None else source
         extra = {"verifier": verifier} if verifier is not None else {}
         if extra and os.fspath(plan) not in VERIFIER_PLANS:
-            raise UsageError(f"verifier applies to plan {', '.join(sorted(VERIFIER_PLANS))} only, not {plan!r}")
+            raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only, not {plan}")
         return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
     if verifier is not None:
-        raise UsageError(f"verifier applies to plan {', '.join(sorted(VERIFIER_PLANS))} only")
+        raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     return compile_plan(_checkpoint(source, step, key, zero), base + given, copy_files=copy_files)
 

@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING
 
 from streamck import __version__, manifest
 from streamck.errors import StreamckError, UsageError
-from streamck.plan import BUILTIN_PLANS, VERIFIER_PLANS, Rule, Rules, compile_plan, load_rules
+from streamck.plan import Rule
 from streamck.source import open_checkpoint
-from streamck.source.layout import pick_step
 from streamck.writer import parse_size, write_plan
 from streamck.writer.parts import parse_part
 
@@ -92,29 +91,25 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _compile(args: argparse.Namespace):
-    """The plan for ``rewrite``, its notices on stderr."""
-    plan = _build(args)
+    """The plan for ``rewrite`` (streamck.build_plan), the source's and its own notices on stderr."""
+    from streamck.api import build_plan
+
+    plan = build_plan(
+        args.src,
+        rules=args.rules or (),
+        plan=args.plan,
+        dtype=args.dtype,
+        step=args.step,
+        key=args.key,
+        zero=args.zero,
+        copy_files=not args.no_copy_files,
+        verifier=args.verifier,
+    )
+    if plan.source is not None:
+        _note(plan.source)
     for line in plan.notices:
         print(f"streamck: note: {line}", file=sys.stderr)
     return plan
-
-
-def _build(args: argparse.Namespace):
-    """The plan for ``rewrite``: a built-in one by name, or rules from a file and the command line."""
-    cli_rules = Rules(tuple(args.rules or ()), args.dtype)
-    src = pick_step(Path(args.src), args.step) if args.step is not None else args.src
-    if args.plan in BUILTIN_PLANS:
-        if args.key is not None or args.zero:
-            raise UsageError(f"--key and --zero do not apply to --plan {args.plan}, which reads safetensors")
-        extra = {"verifier": args.verifier} if args.verifier is not None else {}
-        if extra and args.plan not in VERIFIER_PLANS:
-            raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))}, not {args.plan}")
-        return BUILTIN_PLANS[args.plan](src, cli_rules, **extra)
-    if args.verifier is not None:
-        raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
-    base = load_rules(args.plan) if args.plan else Rules()
-    ckpt = _note(open_checkpoint(src, None, args.key, args.zero))
-    return compile_plan(ckpt, base + cli_rules, copy_files=not args.no_copy_files)
 
 
 def _print_plan(plan) -> None:
@@ -131,6 +126,13 @@ def _print_plan(plan) -> None:
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
+    # Argument mistakes are said before the checkpoint is indexed (a large one takes a while).
+    if not args.dry_run and args.output is None:
+        raise UsageError("rewrite needs -o OUT (or --dry-run)")
+    if not args.dry_run and args.output == "-" and args.json:
+        raise UsageError("-o - puts the checkpoint on stdout; --json cannot go there too")
+    size = parse_size(args.max_shard_size) if args.max_shard_size else None
+    part = parse_part(args.part) if args.part else None
     plan = _compile(args)
     if args.dry_run:
         if args.json:
@@ -138,14 +140,10 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         else:
             _print_plan(plan)
         return 0
-    if args.output is None:
-        raise UsageError("rewrite needs -o OUT (or --dry-run)")
-    if args.output == "-" and args.json:
-        raise UsageError("-o - puts the checkpoint on stdout; --json cannot go there too")
     result = write_plan(
         plan,
         args.output,
-        max_shard_size=parse_size(args.max_shard_size) if args.max_shard_size else None,
+        max_shard_size=size,
         header_align=args.header_align,
         force=args.force,
         drop_cache=args.drop_cache,
@@ -154,7 +152,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         progress=not args.quiet and sys.stderr.isatty(),
         format=args.format,
         jobs=args.jobs,
-        part=parse_part(args.part) if args.part else None,
+        part=part,
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)

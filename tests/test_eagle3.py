@@ -376,7 +376,7 @@ def test_verifier_required_and_refused_elsewhere(tmp_path):
     with pytest.raises(UsageError, match="needs --verifier"):
         rewrite(src, tmp_path / "out", plan="eagle3-speculators")
     for plan in ("eagle3", "eagle4"):
-        with pytest.raises(UsageError, match="verifier applies to plan eagle3-speculators only"):
+        with pytest.raises(UsageError, match="--verifier applies to --plan eagle3-speculators only"):
             rewrite(src, tmp_path / "out", plan=plan, verifier=VERIFIER)
     assert not (tmp_path / "out").exists()
 

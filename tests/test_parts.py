@@ -114,3 +114,32 @@ def test_a_failing_job_stops_the_others_and_leaves_nothing(src, tmp_path, monkey
     with pytest.raises(OutputError, match="No space left"):
         streamck.rewrite(src, tmp_path / "out", max_shard_size="4KB", jobs=3)
     assert not (tmp_path / "out").exists() and not any("streamck" in p.name for p in tmp_path.iterdir())
+
+
+def test_the_index_appears_only_with_every_shard(src, tmp_path):
+    out = tmp_path / "parts"
+    first = streamck.rewrite(src, out, max_shard_size="4KB", part="1/2")
+    assert not (out / "model.safetensors.index.json").exists() and first.files
+    streamck.rewrite(src, out, max_shard_size="4KB", part="2/2")
+    assert (out / "model.safetensors.index.json").exists()
+    streamck.rewrite(src, tmp_path / "one", max_shard_size="4KB")
+    assert same_dirs(tmp_path / "one", out)
+
+
+def test_a_crash_while_replacing_leaves_no_index_over_old_shards(src, tmp_path, monkeypatch):
+    import os
+
+    out = tmp_path / "out"
+    streamck.rewrite(src, out, max_shard_size="4KB")
+    real, moved = os.replace, []
+
+    def crash_midway(a, b):
+        moved.append(b)
+        if len(moved) == 3:
+            raise OSError(5, "Input/output error", str(b))
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", crash_midway)
+    with pytest.raises(OutputError):
+        streamck.rewrite(src, out, max_shard_size="4KB", dtype="bf16", force=True)
+    assert not (out / "model.safetensors.index.json").exists()  # shards without an index: refused, never mixed

@@ -124,3 +124,18 @@ def test_tiling_errors_name_the_fault(tmp_path):
     assert "overlap" in tiling_error((4, 4), [t((0, 0), (2, 4)), t((0, 0), (2, 4))])
     assert "outside" in tiling_error((4, 4), [t((0, 0), (2, 4)), t((3, 0), (2, 4))])
     assert "rank" in tiling_error((4, 4), [t((0,), (16,))])
+
+
+def test_the_fd_pool_is_bounded(tmp_path, monkeypatch):
+    import streamck.source.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "MAX_FDS", 2)
+    full = np.arange(5 * 6, dtype=np.uint16).reshape(5, 6)
+    tiles = []
+    for i in range(3):  # three files, columns split: every window reads all three
+        (tmp_path / f"f{i}").write_bytes(full[:, 2 * i : 2 * i + 2].tobytes())
+        tiles.append(Tile(tmp_path / f"f{i}", 0, (0, 2 * i), (5, 2)))
+    ref = TensorRef("t", "U16", (5, 6), tmp_path / "f0", 0, full.nbytes, None, tuple(tiles))
+    with Reader(16) as reader:
+        assert b"".join(bytes(w) for w in reader.windows(ref, 7)) == full.tobytes()
+        assert len(reader._fds) <= 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -155,28 +156,35 @@ def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
     """A DCP checkpoint: each tensor's chunks, one per rank file, as tiles."""
     from streamck.source import dcp
 
-    files = {shard: FileStamp.of(shard) for shard in layout.shards}
+    files = {shard: FileStamp.of(shard) for shard in layout.shards}  # before reading: changes show
     if layout.kind == "distcp":
         entries, notices = dcp.read_distcp(layout.root)
-        files.update((p, FileStamp.of(p)) for e in entries.values() for p in dict.fromkeys(t.path for t in e.tiles))
     else:
         entries, notices = dcp.read_sharded_safetensors(layout.shards)
-    tensors = {}
-    for e in entries.values():
-        size = nbytes(e.dtype, _numel(e.shape))
-        tensors[e.name] = TensorRef(
-            e.name, e.dtype, e.shape, e.tiles[0].path if e.tiles else layout.root, 0, size, None, e.tiles
-        )
+    tensors, paths = _tiled(entries, layout.root)
+    files |= {p: FileStamp.of(p) for p in paths if p not in files}
     if layout.side_root is not None:
         _cross_check(layout.side_root, tensors)
     return Checkpoint(path, layout.root, tensors, {}, files, notices, layout.side_root)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _tiled(entries: dict, root: Path) -> tuple[dict[str, TensorRef], list[Path]]:
+    """References of tensors read as tiles (DCP chunks, ZeRO fragments), and every file
+    their tiles lie in."""
+    tensors = {
+        e.name: TensorRef(
+            e.name,
+            e.dtype,
+            e.shape,
+            e.tiles[0].path if e.tiles else root,
+            0,
+            nbytes(e.dtype, math.prod(e.shape)),
+            None,
+            e.tiles,
+        )
+        for e in entries.values()
+    }
+    return tensors, list(dict.fromkeys(t.path for e in entries.values() for t in e.tiles))
 
 
 def _cross_check(side_root: Path, tensors: dict[str, TensorRef]) -> None:
@@ -244,11 +252,5 @@ def _index_zero(path: Path, step_dir: Path, side_root: Path) -> Checkpoint:
     from streamck.source.zero import read_zero
 
     entries, notices = read_zero(step_dir)
-    tensors, files = {}, {}
-    for e in entries.values():
-        size = nbytes(e.dtype, _numel(e.shape))
-        first = e.tiles[0].path if e.tiles else step_dir
-        tensors[e.name] = TensorRef(e.name, e.dtype, e.shape, first, 0, size, None, e.tiles)
-        files.update((t.path, None) for t in e.tiles)
-    stamps = {p: FileStamp.of(p) for p in files}
-    return Checkpoint(path, step_dir, tensors, {}, stamps, notices, side_root)
+    tensors, paths = _tiled(entries, step_dir)
+    return Checkpoint(path, step_dir, tensors, {}, {p: FileStamp.of(p) for p in paths}, notices, side_root)

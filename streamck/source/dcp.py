@@ -21,6 +21,7 @@ notice and never unpickled.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 import struct
@@ -46,13 +47,6 @@ class Entry(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     tiles: tuple[Tile, ...]  # sorted by offsets
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _common_dir(paths: list[Path]) -> Path:
@@ -409,7 +403,7 @@ def _chunk_tile(f, where: _Location, size: int, name: str, dtype: str, chunk: _C
     if type(t.offset) is not int or t.offset < 0:
         raise CheckpointError(f"{what}: storage offset {t.offset!r}", where.path)
     item = BITS[dtype] // 8
-    need = _numel(sizes) * item
+    need = math.prod(sizes) * item
     if (t.offset * item) + need > stored:
         raise CheckpointError(
             f"{what}: storage record holds {stored} bytes, the chunk needs {need} from element {t.offset}", where.path

@@ -30,6 +30,7 @@ CHUNK = 16 << 20
 COPY_CHUNK = 64 << 20
 # A run at least this long is copied kernel-side; shorter ones go through the buffer.
 KERNEL_MIN = 1 << 20
+MAX_FDS = 256
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # Errors that mean "this way of copying does not work between these two files".
 _FALLBACK = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.ESPIPE}
@@ -56,12 +57,17 @@ class Reader:
         self._mode = copy_mode or next(m for m in COPY_MODES if m == "buffer" or hasattr(os, m))
 
     def fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
+        """A read-only fd on ``path``, from the pool: at most MAX_FDS stay open, the least
+        recently used closed first (a ZeRO or DCP checkpoint may have thousands of files)."""
+        fd = self._fds.pop(path, None)
         if fd is None:
+            if len(self._fds) >= MAX_FDS:
+                os.close(self._fds.pop(next(iter(self._fds))))
             try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY)
             except OSError as e:
                 raise CheckpointError(f"cannot read: {e.strerror}", path) from None
+        self._fds[path] = fd  # re-inserted: dicts keep insertion order, the oldest comes first
         return fd
 
     def close(self) -> None:
@@ -102,28 +108,31 @@ class Reader:
                 write_all(out, view)
                 progress(len(view))
             return
-        buffer = memoryview(self._scratch())
-        filler, used = _Filler(self), 0
+        # Runs shorter than a chunk are gathered in the buffer (made on first need: a plain
+        # tensor never touches it), longer ones are copied by the kernel.
+        filler, used, buffer = _Filler(self), 0, memoryview(b"")
+
+        def flush() -> None:
+            filler.flush()
+            write_all(out, buffer[:used])
+            progress(used)
+
         for run in ref.runs():
-            if run.length >= min(KERNEL_MIN, len(buffer) + 1):  # too long for the buffer: in pieces
+            if run.length > self.chunk or run.length >= KERNEL_MIN:
                 if used:
-                    filler.flush()
-                    write_all(out, buffer[:used])
-                    progress(used)
+                    flush()
                     used = 0
                 self._copy_run(run, out, progress)
                 continue
+            if not buffer:
+                buffer = memoryview(self._scratch())
             if used + run.length > len(buffer):
-                filler.flush()
-                write_all(out, buffer[:used])
-                progress(used)
+                flush()
                 used = 0
             filler.add(run, buffer[used : used + run.length])
             used += run.length
         if used:
-            filler.flush()
-            write_all(out, buffer[:used])
-            progress(used)
+            flush()
 
     def _scratch(self) -> bytearray:
         if self._buffer is None:

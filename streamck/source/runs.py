@@ -9,6 +9,7 @@ lazily: a tensor sharded on its last dimension has one run per row per block.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -34,13 +35,6 @@ class Tile(NamedTuple):
     sizes: tuple[int, ...]
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def tiling_error(shape: tuple[int, ...], tiles: Sequence[Tile]) -> str | None:
     """What is wrong with ``tiles`` as an exact cover of ``shape`` (gap, overlap, out of
     bounds, rank), or None when every element is in exactly one tile."""
@@ -49,12 +43,12 @@ def tiling_error(shape: tuple[int, ...], tiles: Sequence[Tile]) -> str | None:
             return f"a block at {list(t.offsets)} has rank {len(t.sizes)}, the tensor {len(shape)}"
         if any(o < 0 or o + s > d for o, s, d in zip(t.offsets, t.sizes, shape, strict=True)):
             return f"block at {list(t.offsets)} of shape {list(t.sizes)} lies outside {list(shape)}"
-    if sum(_numel(t.sizes) for t in tiles) != _numel(shape):
-        covered = sum(_numel(t.sizes) for t in tiles)
-        return f"blocks hold {covered} elements, the tensor {_numel(shape)}: " + (
-            "a gap (a block or rank file missing?)" if covered < _numel(shape) else "blocks overlap"
+    if sum(math.prod(t.sizes) for t in tiles) != math.prod(shape):
+        covered = sum(math.prod(t.sizes) for t in tiles)
+        return f"blocks hold {covered} elements, the tensor {math.prod(shape)}: " + (
+            "a gap (a block or rank file missing?)" if covered < math.prod(shape) else "blocks overlap"
         )
-    boxes = sorted((t.offsets, t.sizes) for t in tiles if _numel(t.sizes) and t.sizes)
+    boxes = sorted((t.offsets, t.sizes) for t in tiles if math.prod(t.sizes) and t.sizes)
     for i, (oa, sa) in enumerate(boxes):  # equal counts and no overlap: an exact cover
         for ob, sb in boxes[i + 1 :]:
             if ob[0] >= oa[0] + sa[0]:
@@ -72,7 +66,7 @@ def tile_runs(shape: tuple[int, ...], itemsize: int, tiles: Sequence[Tile]) -> I
     so the tensor is walked as rows over the dimensions before ``k``; within a row, tiles
     follow one another along ``k``, each one run.
     """
-    tiles = [t for t in tiles if _numel(t.sizes)]
+    tiles = [t for t in tiles if math.prod(t.sizes)]
     if not tiles:
         return
     if not shape:  # a scalar: its one block
@@ -81,7 +75,7 @@ def tile_runs(shape: tuple[int, ...], itemsize: int, tiles: Sequence[Tile]) -> I
     k = len(shape) - 1
     while k > 0 and all(t.offsets[k] == 0 and t.sizes[k] == shape[k] for t in tiles):
         k -= 1
-    inner = _numel(shape[k + 1 :]) * itemsize
+    inner = math.prod(shape[k + 1 :]) * itemsize
     if k == 0:
         rows: list[tuple[int, ...]] = [()]
     else:
@@ -118,7 +112,7 @@ def strided_runs(ref) -> Iterator[Run]:
     stretch of its row-major order that is contiguous in the storage. Readers gather
     views in blocks instead (streamck.source.strided); this is the same bytes, described."""
     shape, strides = ref.shape, ref.strides
-    numel = _numel(shape)
+    numel = math.prod(shape)
     if not numel:
         return
     item = (ref.end - ref.start) // numel
@@ -126,7 +120,7 @@ def strided_runs(ref) -> Iterator[Run]:
     while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == expect):
         k -= 1
         expect *= shape[k]
-    length = _numel(shape[k:]) * item
+    length = math.prod(shape[k:]) * item
     pending: Run | None = None
     for index in _rows(shape[:k]):
         offset = ref.start + sum(i * s for i, s in zip(index, strides, strict=False)) * item
@@ -141,12 +135,13 @@ def strided_runs(ref) -> Iterator[Run]:
 
 
 class RowBlocks:
-    """A tensor tiled along at most its first two dimensions, seen as ``rows`` rows of
-    ``row_bytes`` bytes: each tile is a block of whole rows ``[r0, r1)`` and byte columns
-    ``[c0, c0 + width)``, stored row after row. Reading a window of the tensor is then one
-    read per tile (its rows are consecutive in its file) and one strided placement,
-    however many short runs the window holds. ``of`` gives None for other tilings
-    (blocks cut along a later dimension too), which are read run by run."""
+    """A tensor tiled along its first dimension and at most one more, seen as ``rows`` rows
+    of ``row_bytes`` bytes: with ``k`` the other cut dimension, a row is one index over the
+    dimensions before ``k`` (which tiles must span whole but for the first), and each tile
+    is a block of whole rows ``[r0, r1)`` and byte columns ``[c0, c0 + width)``, stored row
+    after row. Reading a window is then one read per tile (its rows are consecutive in its
+    file) and one strided placement, however many short runs the window holds. ``of``
+    gives None for other tilings, which are read run by run."""
 
     def __init__(self, rows: int, row_bytes: int, blocks: list[tuple[Path, int, int, int, int, int]]):
         self.rows, self.row_bytes = rows, row_bytes
@@ -154,18 +149,21 @@ class RowBlocks:
 
     @classmethod
     def of(cls, shape: tuple[int, ...], itemsize: int, tiles: Sequence[Tile]) -> RowBlocks | None:
-        tiles = [t for t in tiles if _numel(t.sizes)]
+        tiles = [t for t in tiles if math.prod(t.sizes)]
         if not shape or not tiles:
             return None
-        if any(t.offsets[d] != 0 or t.sizes[d] != shape[d] for t in tiles for d in range(2, len(shape))):
+        cut = [d for d in range(len(shape)) if any(t.offsets[d] or t.sizes[d] != shape[d] for t in tiles)]
+        k = max(cut, default=0)
+        if any(d not in (0, k) for d in cut):
             return None
-        row_bytes = _numel(shape[1:]) * itemsize
-        inner = _numel(shape[2:]) * itemsize
+        per = math.prod(shape[1:k]) if k else 1  # rows per index of the first dimension
+        row_bytes = math.prod(shape[max(k, 1) :]) * itemsize
+        inner = math.prod(shape[k + 1 :]) * itemsize
         blocks = []
         for t in tiles:
-            c0, width = (t.offsets[1] * inner, t.sizes[1] * inner) if len(shape) > 1 else (0, itemsize)
-            blocks.append((t.path, t.start, t.offsets[0], t.offsets[0] + t.sizes[0], c0, width))
-        return cls(shape[0], row_bytes, blocks)
+            c0, width = (t.offsets[k] * inner, t.sizes[k] * inner) if k else (0, row_bytes)
+            blocks.append((t.path, t.start, t.offsets[0] * per, (t.offsets[0] + t.sizes[0]) * per, c0, width))
+        return cls(shape[0] * per, row_bytes, blocks)
 
     @property
     def whole_rows(self) -> bool:

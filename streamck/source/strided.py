@@ -8,6 +8,7 @@ count as resident, up to the whole tensor.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -19,15 +20,8 @@ if TYPE_CHECKING:  # numpy is imported where a view is gathered, not by every re
     import numpy as np
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _itemsize(ref: TensorRef) -> int:
-    return (ref.end - ref.start) // max(1, _numel(ref.shape))
+    return (ref.end - ref.start) // max(1, math.prod(ref.shape))
 
 
 def _span(shape: tuple[int, ...], strides) -> int:
@@ -38,10 +32,10 @@ def _span(shape: tuple[int, ...], strides) -> int:
 def _boxes(shape: tuple[int, ...], strides: tuple[int, ...], limit: int, offset: int = 0) -> Iterator[tuple]:
     """(offset, shape) of boxes of at most ``limit`` elements that tile the view in
     row-major order; shapes keep the view's rank."""
-    if not shape or _numel(shape) <= limit:
+    if not shape or math.prod(shape) <= limit:
         yield offset, shape
         return
-    row = _numel(shape[1:])
+    row = math.prod(shape[1:])
     if row > limit:
         for i in range(shape[0]):
             for off, sub in _boxes(shape[1:], strides[1:], limit, offset + i * strides[0]):

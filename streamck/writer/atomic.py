@@ -32,6 +32,7 @@ LOCK_NAME = ".streamck-lock"  # inside a temporary directory
 STALE_AGE = 24 * 3600  # seconds untouched before a temporary without a lock file counts as dead
 _TMP_RE = re.compile(r"^(\..*\.streamck-)(tmp|lock)(-\d+-[0-9a-f]{8})$")
 # What an earlier export left that --force may remove (as save_pretrained removes stale shards).
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 STALE_WEIGHTS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
 
 
@@ -274,6 +275,9 @@ def _commit(tmp: Path, final: Path, is_dir: bool, force: bool) -> None:
     try:
         os.rename(tmp, final)
     except OSError:
+        if force and final.is_dir() and not final.is_symlink():  # made meanwhile (a concurrent --part)
+            _merge(tmp, final)
+            return
         raise OutputError("appeared while writing (another run?); pass --force to replace it", final) from None
 
 
@@ -283,12 +287,16 @@ def _merge(tmp: Path, final: Path) -> None:
     The directory itself is never removed or swapped, so nothing else in it can go with
     it (it is checked again here, as it may have changed since the run began): each new
     file is renamed over its namesake, then the old weights this output does not have
-    are removed. A reader in between sees the new files beside stale shards; a crash in
-    between loses no new file."""
+    are removed. The old index goes first and the new one comes last, so that no index
+    ever names a mix of old and new shards: a crash in between leaves shards without an
+    index, which loaders refuse, never an index over the wrong weights."""
     if not final.is_dir() or final.is_symlink():
         raise OutputError("appeared while writing and is not a directory", final)
     new = [p.name for p in tmp.iterdir()]
     _refuse_foreign(final, new)
+    for index in INDEX_FILES:
+        (final / index).unlink(missing_ok=True)
+    fsync_dir(final)
     _move_into(tmp, final)
     for stale in _stale(final, new):
         stale.unlink(missing_ok=True)
@@ -298,7 +306,7 @@ def _merge(tmp: Path, final: Path) -> None:
 def _move_into(src: Path, dst: Path) -> None:
     """Rename every entry of ``src`` over its namesake in ``dst``, folders merged file by file
     (a folder the output writes, such as ``1_Pooling/``, may already be there); ``src`` goes."""
-    for entry in src.iterdir():
+    for entry in sorted(src.iterdir(), key=lambda e: e.name in INDEX_FILES):  # indexes last
         target = dst / entry.name
         if entry.is_dir() and target.is_dir() and not target.is_symlink():
             _move_into(entry, target)

@@ -75,8 +75,7 @@ class Caster:
         until the next step. The next step's input is read meanwhile."""
         src = stream.ref.dtype
         si, di = ITEMSIZE[src], ITEMSIZE[dst]
-        per = self.chunk // max(si, di)
-        steps = [min(per, stream.ref.numel - i) for i in range(0, stream.ref.numel, per)]
+        steps = [k for _, k in chunk_steps(self.chunk, stream.ref.numel, src, dst)]
 
         def read(i: int) -> None:
             stream.readinto(memoryview(self.host_in[i % 2])[: steps[i] * si])
@@ -104,6 +103,12 @@ class Caster:
         if self._pending is not None:
             future, self._pending = self._pending, None
             future.cancel() or future.exception()
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (started on the first tensor longer than one step)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _reader(self) -> ThreadPoolExecutor:
         if self._pool is None:

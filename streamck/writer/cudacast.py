@@ -99,6 +99,12 @@ class CudaCaster:
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError and driver errors alike
             raise _device_error(device, e) from None
 
+    def close(self) -> None:
+        """Give back the pinned and device buffers, once no work is queued on them."""
+        for *_, stream in self.slots:
+            stream.synchronize()
+        self.slots = []
+
     def cast(self, source: TensorStream, dst: str, out: int, progress: Callable[[int], None] = lambda n: None) -> int:
         """Cast the tensor that ``source`` reads to ``dst`` and append it to the fd ``out``.
         Returns how many finite values became infinite."""

@@ -14,6 +14,7 @@ from streamck.errors import OutputError, UsageError
 from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
+from streamck.source.torchzip import TORCH_SUFFIXES
 from streamck.writer.atomic import atomic_output, check_target, refuse_source
 from streamck.writer.layout import (
     FORMATS,
@@ -21,7 +22,6 @@ from streamck.writer.layout import (
     SINGLE_NAME,
     TORCH_INDEX_NAME,
     TORCH_SINGLE_NAME,
-    TORCH_SUFFIXES,
     Shard,
     index_bytes,
     plan_shards,
@@ -147,8 +147,8 @@ def write_plan(
         stack.callback(syncer.close)
         try:
             if part is not None:
-                files = _write_part(plan, out, shards, part, workers, verify)
-                return WriteResult(files, sum(s.size for s in shards if out / s.filename in files), workers.overflow)
+                files, size = _write_part(plan, out, shards, part, workers, verify)
+                return WriteResult(files, size, workers.overflow)
             tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
             paths = [tmp] if single else [tmp / s.filename for s in shards]
 
@@ -172,10 +172,11 @@ def write_plan(
 
 def _write_part(
     plan: Plan, out: Path, shards: list[Shard], part: tuple[int, int], workers: Workers, verify: bool
-) -> list[Path]:
+) -> tuple[list[Path], int]:
     """Part K of N: its own shards, each written, fsynced (and verified) under a temporary
-    name and renamed into ``out``; then the index and side files, the same bytes from
-    every part. Returns the paths written."""
+    name and renamed into ``out``; then the side files, the same bytes from every part,
+    and the index once every shard is there (whichever part finishes last writes it;
+    downstream jobs may wait for it). Returns the paths written and their tensor bytes."""
     k, n = part
     mine = [s for s, owner in zip(shards, assign(shards, n), strict=True) if owner == k - 1]
 
@@ -188,13 +189,18 @@ def _write_part(
 
     workers.map(write, mine)
     extras = _extras(plan, shards)
+    index = {TORCH_INDEX_NAME, INDEX_NAME} & set(extras)
+    complete = all((out / s.filename).exists() for s in shards)
     for name, data in extras.items():
+        if name in index and not complete:
+            continue  # the index appears only with every shard: the last part to finish writes it
         is_dir = not isinstance(data, bytes) and data.is_dir()
         with atomic_output(out / name, is_dir=is_dir, force=True) as tmp:
             _put(data, tmp, replace=is_dir)
     if plan.source is not None:
         plan.source.check_unchanged()
-    return [out / s.filename for s in mine] + [out / name for name in sorted(extras)]
+    written = [out / s.filename for s in mine] + [out / n for n in sorted(extras) if n not in index or complete]
+    return written, sum(t.nbytes for s in mine for t in s.tensors)
 
 
 def _target(out: str | os.PathLike) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from streamck.dtypes import RANK
 from streamck.plan import OutputTensor, Plan
@@ -13,7 +14,6 @@ from streamck.source import header
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # The torch.save container: -o *.bin/*.pt/*.pth, or a directory with format="torch".
-TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 TORCH_SINGLE_NAME = "pytorch_model.bin"
 TORCH_INDEX_NAME = "pytorch_model.bin.index.json"
 FORMATS = ("safetensors", "torch")
@@ -34,8 +34,9 @@ class Shard:
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         return [(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors]
 
-    @property
+    @cached_property
     def size(self) -> int:
+        """The file's bytes (for a torch archive, laid out once: it pickles every entry)."""
         if self.format == "torch":
             from streamck.writer.torchsave import archive_size
 

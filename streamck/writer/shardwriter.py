@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from streamck.errors import OutputError, UsageError
@@ -61,6 +62,9 @@ class ShardWriter:
         self._cpu_caster = None
 
     def close(self) -> None:
+        for caster in (self.caster, self._cpu_caster):
+            if caster is not None:
+                caster.close()
         self.reader.close()
 
     def get_caster(self):
@@ -110,16 +114,18 @@ class ShardWriter:
 
         for piece in stream_archive(shard.filename, shard.entries, (self.pieces(t) for t in shard.tensors)):
             write_all(out, piece)
-        self.progress(sum(t.nbytes for t in shard.tensors))
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
         """``t``'s output bytes in bounded pieces: its source's, or cast (on the CPU)."""
         if not t.is_cast:
-            yield from self.reader.windows(t.source)
+            for view in self.reader.windows(t.source):
+                self.progress(len(view))
+                yield view
             return
         overflow = 0
         for view, inf in self.cpu_caster().convert(self.reader.stream(t.source), t.dtype):
             overflow += inf
+            self.progress(len(view))
             yield view
         if overflow:
             self.overflow[t.name] = overflow
@@ -152,50 +158,54 @@ class _Stopped(Exception):
 
 
 class Workers:
-    """``jobs`` threads, each with a ShardWriter of its own (buffers, fds, caster), doing
-    ``fn(writer, item)`` for every item. Kernel copies, reads and numpy release the GIL,
-    so shards are written truly at once. The first error stops the others at their next
-    chunk and is raised once all have stopped, so nothing writes into a temporary that
-    is being removed. One job runs inline, on the calling thread."""
+    """``jobs`` threads sharing as many ShardWriters (each its own buffers, fds, caster),
+    doing ``fn(writer, item)`` for every item. Kernel copies, reads and numpy release the
+    GIL, so shards are written truly at once. The first error, wherever it happens, stops
+    the others at their next chunk and is raised once all have stopped, so nothing writes
+    into a temporary that is being removed. One job runs inline, on the calling thread."""
 
     def __init__(self, jobs: int, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
         self.jobs, self._stop = jobs, threading.Event()
-        self._lock = threading.Lock()
+        lock = threading.Lock()
 
         def checked(n: int) -> None:
             if self._stop.is_set():
                 raise _Stopped
-            with self._lock:
+            with lock:
                 progress(n)
 
         self._make = lambda: ShardWriter(chunk, device, drop_cache, checked if jobs > 1 else progress)
         self.first = self._make()  # made now, so that a missing caster fails before any file exists
         self.writers = [self.first]
-        self._idle: list[ShardWriter] = []
-
-    def _writer(self) -> ShardWriter:
-        """This thread's writer: an idle one, else a new one."""
-        writer = getattr(self._local, "writer", None)
-        if writer is None:
-            with self._lock:
-                writer = self._idle.pop() if self._idle else self._make()
-                if writer not in self.writers:
-                    self.writers.append(writer)
-            self._local.writer = writer
-        return writer
 
     def map(self, fn: Callable[[ShardWriter, object], None], items: list) -> None:
         if self.jobs == 1 or len(items) <= 1:
             for item in items:
                 fn(self.first, item)
             return
-        self._stop.clear()
-        self._idle, self._local = list(self.writers), threading.local()  # new threads take them again
-        with ThreadPoolExecutor(self.jobs, thread_name_prefix="streamck-job") as pool:
-            futures = [pool.submit(lambda it=item: fn(self._writer(), it)) for item in items]
+        while len(self.writers) < min(self.jobs, len(items)):
+            self.writers.append(self._make())
+        idle: queue.SimpleQueue[ShardWriter] = queue.SimpleQueue()
+        for writer in self.writers:
+            idle.put(writer)
+
+        def run(item: object) -> None:
+            if self._stop.is_set():
+                raise _Stopped
+            writer = idle.get()
             try:
-                for future in futures:
-                    future.result()
+                fn(writer, item)
+            finally:
+                idle.put(writer)
+
+        self._stop.clear()
+        with ThreadPoolExecutor(self.jobs, thread_name_prefix="streamck-job") as pool:
+            futures = [pool.submit(run, item) for item in items]
+            try:
+                wait(futures, return_when=FIRST_EXCEPTION)
+                failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()
             except BaseException:
                 self._stop.set()
                 for future in futures:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from streamck.dtypes import TORCH
+from streamck.errors import OutputError
 
 ALIGN = 64
 _FLAGS = 0x0808  # data descriptor follows; names are UTF-8
@@ -119,8 +120,20 @@ class Record:
         extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
         sizes = _U32 if self.zip64 else 0
         return (
-            struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if self.zip64 else 20, _FLAGS, 0, 0, 0, 0, sizes, sizes,
-                        len(name), len(extra))
+            struct.pack(
+                "<IHHHHHIIIHH",
+                0x04034B50,
+                45 if self.zip64 else 20,
+                _FLAGS,
+                0,
+                0,
+                0,
+                0,
+                sizes,
+                sizes,
+                len(name),
+                len(extra),
+            )
             + name
             + extra
         )
@@ -142,8 +155,26 @@ class Record:
         size = _U32 if self.size >= _U32 else self.size
         offset = _U32 if self.offset >= _U32 else self.offset
         return (
-            struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if big else 20, 45 if big else 20, _FLAGS, 0, 0, 0,
-                        crc, size, size, len(name), len(extra), 0, 0, 0, 0, offset)
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                45 if big else 20,
+                45 if big else 20,
+                _FLAGS,
+                0,
+                0,
+                0,
+                crc,
+                size,
+                size,
+                len(name),
+                len(extra),
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
             + name
             + extra
         )
@@ -205,7 +236,7 @@ def stream_archive(
                 n += len(piece)
                 yield piece
             if n != record.size:
-                raise AssertionError(f"{record.name}: {n} bytes streamed, {record.size} planned")
+                raise OutputError(f"{record.name}: {n} bytes streamed where the layout has {record.size}", filename)
         crcs.append(crc)
         yield record.descriptor(crc)
     yield end_of_archive(records, crcs)
