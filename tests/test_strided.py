@@ -79,13 +79,16 @@ def tilings(draw):
         cuts.append([0, *[p for p in points if 0 < p < d], d])
     files = draw(st.integers(1, 3))
     window = draw(st.integers(1, 300))
-    return shape, cuts, files, window, draw(st.randoms())
+    scratch = draw(st.sampled_from([1, 5, 64, 4 << 20]))  # rows read per batch: one, a few, all
+    return shape, cuts, files, window, scratch, draw(st.randoms())
 
 
 @settings(max_examples=300, deadline=None)
 @given(tilings())
 def test_tiles_read_in_row_major_order(tmp_path_factory, case):
-    shape, cuts, nfiles, window, rnd = case
+    import streamck.source.reader as reader_module
+
+    shape, cuts, nfiles, window, scratch, rnd = case
     full = np.random.default_rng(len(shape)).integers(0, 1 << 16, shape, dtype=np.uint16)
     root = tmp_path_factory.mktemp("t")
     blobs = [bytearray(rnd.randrange(0, 5)) for _ in range(nfiles)]  # a few lead bytes each
@@ -105,7 +108,11 @@ def test_tiles_read_in_row_major_order(tmp_path_factory, case):
     tiles = tuple(Tile(paths[f], start, lo, size) for f, start, lo, size in tiles)
     assert tiling_error(shape, tiles) is None
     ref = TensorRef("t", "U16", shape, paths[0], 0, full.nbytes, None, tiles)
-    assert b"".join(_read(ref, 64, window)) == full.tobytes()
+    saved, reader_module.SCRATCH = reader_module.SCRATCH, scratch
+    try:
+        assert b"".join(_read(ref, 64, window)) == full.tobytes()
+    finally:
+        reader_module.SCRATCH = saved
     runs = list(tile_runs(shape, 2, tiles))
     assert b"".join(bytes(blobs[paths.index(r.path)][r.offset : r.offset + r.length]) for r in runs) == full.tobytes()
     with Reader(64) as reader:

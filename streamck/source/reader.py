@@ -31,6 +31,8 @@ COPY_CHUNK = 64 << 20
 # A run at least this long is copied kernel-side; shorter ones go through the buffer.
 KERNEL_MIN = 1 << 20
 MAX_FDS = 256
+# Bytes of one block's rows read at once before they are placed in a window.
+SCRATCH = 4 << 20
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # Errors that mean "this way of copying does not work between these two files".
 _FALLBACK = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.ESPIPE}
@@ -140,9 +142,9 @@ class Reader:
         return self._buffer
 
     def scratch(self, n: int) -> memoryview:
-        """``n`` bytes of a second reused buffer, for reads placed elsewhere (at most a window)."""
+        """``n`` bytes of a second reused buffer, for reads placed elsewhere."""
         if len(self._spare) < n:
-            self._spare = bytearray(max(n, self.chunk))
+            self._spare = bytearray(n)
         return memoryview(self._spare)[:n]
 
     def _copy_run(self, run: Run, out: int, progress: Callable[[int], None]) -> None:
@@ -262,9 +264,9 @@ def _row_blocks(ref: TensorRef) -> RowBlocks | None:
 
 
 def _fill_rows(reader: Reader, grid: RowBlocks, view: memoryview, pos: int) -> None:
-    """Fill ``view`` with the tensor's bytes ``[pos, pos + len(view))``: per block, the span
-    of its file that the window needs in one read (its rows are consecutive there), then
-    placed row by row with one strided numpy copy. Reads never exceed the window."""
+    """Fill ``view`` with the tensor's bytes ``[pos, pos + len(view))``: per block, the rows
+    the window needs, a batch of at most SCRATCH bytes at a time: one read of the batch's
+    span (its rows are consecutive in the block's file), then one strided numpy copy."""
     import numpy as np
 
     end, rb = pos + len(view), grid.row_bytes
@@ -272,24 +274,24 @@ def _fill_rows(reader: Reader, grid: RowBlocks, view: memoryview, pos: int) -> N
     first, stop = pos // rb, (end - 1) // rb + 1  # rows the window touches
     for path, start, r0, r1, c0, width in grid.blocks:
         lo, last = max(first, r0), min(stop, r1) - 1
-        if lo > last:
-            continue
         col_a = min(max(pos - lo * rb, c0), c0 + width) - c0  # where the window enters the block
         col_b = max(min(end - last * rb, c0 + width), c0) - c0  # and leaves it
-        a, b = (lo - r0) * width + col_a, (last - r0) * width + col_b
-        if a >= b:
-            continue
-        src = reader.scratch(b - a)
-        read_into(reader.fd(path), src, start + a, str(path))
-        src = np.frombuffer(src, np.uint8)
-
-        edges = [(lo, col_a, col_b)] if lo == last else [(lo, col_a, width), (last, 0, col_b)]
-        for r, ca, cb in edges:  # rows the window may cut
-            if ca < cb:
-                at, s0 = r * rb + c0 + ca - pos, (r - r0) * width + ca - a
-                out[at : at + cb - ca] = src[s0 : s0 + cb - ca]
-        if last - lo > 1:  # the rows in between lie whole inside the window
-            m, at, s0 = last - lo - 1, (lo + 1) * rb + c0 - pos, (lo + 1 - r0) * width - a
-            np.lib.stride_tricks.as_strided(out[at:], (m, width), (rb, 1))[...] = src[s0 : s0 + m * width].reshape(
-                m, width
-            )
+        per = max(1, SCRATCH // width)
+        for ba in range(lo, last + 1, per):
+            bz = min(ba + per, last + 1) - 1
+            ca, cb = col_a if ba == lo else 0, col_b if bz == last else width
+            a, b = (ba - r0) * width + ca, (bz - r0) * width + cb  # the batch's span in the block
+            if a >= b:
+                continue
+            src = reader.scratch(b - a)
+            read_into(reader.fd(path), src, start + a, str(path))
+            src = np.frombuffer(src, np.uint8)
+            edges = [(ba, ca, cb)] if ba == bz else [(ba, ca, width), (bz, 0, cb)]
+            for r, x, y in edges:  # rows the window may cut
+                if x < y:
+                    at, s0 = r * rb + c0 + x - pos, (r - r0) * width + x - a
+                    out[at : at + y - x] = src[s0 : s0 + y - x]
+            if bz - ba > 1:  # the rows in between lie whole inside the window
+                m, at, s0 = bz - ba - 1, (ba + 1) * rb + c0 - pos, (ba + 1 - r0) * width - a
+                rows = src[s0 : s0 + m * width].reshape(m, width)
+                np.lib.stride_tricks.as_strided(out[at:], (m, width), (rb, 1))[...] = rows
