@@ -20,12 +20,10 @@ area's start to a multiple of 8 (or of a larger alignment asked for).
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
@@ -306,47 +304,6 @@ def _check_size(name: str, dtype: str, shape: list[int], bits: int, span: int) -
     raise _Invalid(f"tensor {name!r}: shape {shape} of {dtype} needs {bits // 8} bytes, data_offsets span {span}")
 
 
-def _bulk(obj: dict, data_start: int, path: Path) -> tuple[list[TensorRef], int, bool] | None:
-    """The tensors of a header whose every entry is plainly well-formed, checked a field at
-    a time over all entries (C-level passes: sets, map, min/max) instead of an entry at a
-    time; None as soon as anything is unusual, and the entry-by-entry loop then says what.
-    Accepts exactly what that loop accepts: zero-element tensors, whose shapes need the
-    overflow check of every prefix, go to the loop."""
-    entries = list(obj.values())
-    if not entries:
-        return None
-    try:
-        if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
-            return None
-        dtypes = [e["dtype"] for e in entries]
-        shapes = [e["shape"] for e in entries]
-        offsets = [e["data_offsets"] for e in entries]
-        if not set(dtypes) <= BITS.keys() or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
-            return None
-        if set(map(len, offsets)) != {2}:
-            return None
-        dims = list(chain.from_iterable(shapes))
-        bounds = [x for o in offsets for x in o]
-        for values in (dims, bounds):
-            if values and (set(map(type, values)) != {int} or min(values) < 0 or max(values) >= _U64):
-                return None
-    except (TypeError, KeyError):  # an unhashable dtype, a missing field
-        return None
-    numels = list(map(math.prod, shapes))
-    if not all(numels):
-        return None
-    starts, stops = bounds[0::2], bounds[1::2]
-    if [n * BITS[d] for n, d in zip(numels, dtypes, strict=True)] != [
-        (b - a) * 8 for a, b in zip(starts, stops, strict=True)
-    ]:
-        return None
-    refs = [
-        _new_ref(TensorRef, (name, dtype, tuple(shape), path, data_start + a, data_start + b, None, None))
-        for name, dtype, shape, a, b in zip(obj, dtypes, shapes, starts, stops, strict=True)
-    ]
-    return refs, stops[-1], starts[0] == 0 and starts[1:] == stops[:-1]
-
-
 def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
     """Validate the JSON header ``raw`` of a file whose data area holds ``data_size`` bytes.
 
@@ -360,9 +317,8 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
             metadata = {}
         elif not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
             raise _Invalid(f"{METADATA_KEY} is not a map of strings to strings")
-        bulk = _bulk(obj, data_start, path)
-        tensors, end, in_order = bulk if bulk is not None else ([], 0, True)
-        for name, e in () if bulk is not None else obj.items():
+        tensors, end, in_order = [], 0, True
+        for name, e in obj.items():
             # Fast path for well-formed entries; _entry() re-checks a bad one to say what is wrong.
             try:
                 dtype, shape, (start, stop) = e["dtype"], e["shape"], e["data_offsets"]
