@@ -23,15 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from streamck.writer import parse_size
+
 WORLD = 2
 MiB = 1 << 20
 
-
-def parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    return int(float(num) * units[t[len(num) :]])
 
 
 def dims(size: int) -> tuple[int, int, int, int]:
