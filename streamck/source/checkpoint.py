@@ -154,11 +154,11 @@ def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
 
 def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
     """A DCP checkpoint: each tensor's chunks, one per rank file, as tiles."""
-    from streamck.source import dcp
+    from streamck.source import dcp, distcp
 
     files = {shard: FileStamp.of(shard) for shard in layout.shards}  # before reading: changes show
     if layout.kind == "distcp":
-        entries, notices = dcp.read_distcp(layout.root)
+        entries, notices = distcp.read_distcp(layout.root)
     else:
         entries, notices = dcp.read_sharded_safetensors(layout.shards)
     tensors, paths = _tiled(entries, layout.root)
