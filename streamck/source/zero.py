@@ -29,16 +29,14 @@ Every tensor is described by 1-D tiles over its flattened elements (``offsets (k
 from __future__ import annotations
 
 import math
-import pickle
 import re
-import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
-from streamck.dtypes import BITS
 from streamck.errors import CheckpointError, listing
 from streamck.source.runs import Tile, tiling_error
-from streamck.source.torchzip import _data_offset, _Lazy, _rebuild_v2, _WeightsOnly, load_archive
+from streamck.source.torchzip import _Lazy
+from streamck.source.zero_files import Cursor, Flat, RankFile, shape_of, stage_of
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -53,161 +51,6 @@ class Entry(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     tiles: tuple[Tile, ...]
-
-
-class _Opaque:
-    """A DeepSpeed object as pickled: its constructor arguments and state; nothing of it runs."""
-
-    def __new__(cls, *args, **kwargs):
-        obj = object.__new__(cls)
-        obj.args, obj.state = args, None
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def __repr__(self):
-        return f"<{type(self).__module__}.{type(self).__name__}{self.args!r}>"
-
-
-_STUBS: dict[tuple[str, str], type] = {}
-_TENSOR_TYPES = {
-    ("torch", "Tensor"),
-    ("torch._tensor", "Tensor"),
-    ("torch.nn.parameter", "Parameter"),
-    ("torch.nn", "Parameter"),
-}
-
-
-def _stub(module: str, name: str) -> type:
-    cls = _STUBS.get((module, name))
-    if cls is None:
-        cls = _STUBS[(module, name)] = type(name, (_Opaque,), {"__module__": module, "__qualname__": name})
-    return cls
-
-
-def _rebuild_from_type_v2(func, new_type, args, state):
-    """A tensor with Python attributes (ZeRO-3's ``ds_id``…): the tensor, attributes dropped."""
-    if func is not _rebuild_v2 or not isinstance(args, tuple):
-        raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a tensor")
-    return func(*args)
-
-
-def _codecs_encode(text, encoding="latin1"):
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("_codecs.encode used for something other than bytes")
-    return text.encode("latin1")
-
-
-class _ZeroPickle(_WeightsOnly):
-    def find_class(self, module: str, name: str):
-        if module == "deepspeed" or module.startswith("deepspeed."):
-            return _stub(module, name)
-        if module == "torch" and name == "Size":
-            return tuple
-        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
-            return _rebuild_from_type_v2
-        if (module, name) in _TENSOR_TYPES:
-            return name
-        if module == "_codecs" and name == "encode":
-            return _codecs_encode
-        if module == "builtins" and name in ("set", "frozenset"):
-            return {"set": set, "frozenset": frozenset}[name]
-        return super().find_class(module, name)
-
-
-class _Flat(NamedTuple):
-    """A contiguous run of ``numel`` elements of ``dtype`` at ``path[start:]``."""
-
-    path: Path
-    start: int
-    numel: int
-    dtype: str
-
-
-class _RankFile:
-    """One unpickled rank file and where its storage records' data start."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            with open(path, "rb") as f:
-                if f.read(4) != b"PK\x03\x04":
-                    raise CheckpointError("not a zip archive (a legacy torch file?)", path)
-                self.obj, storages, records, prefix = load_archive(f, path, _ZeroPickle)
-                self.records: dict[str, tuple[int, int]] = {}  # stored records only: start, size
-                for key in storages:
-                    info = records.get(f"{prefix}data/{key}")
-                    if info is None:
-                        raise CheckpointError(f"storage record data/{key} is missing", path)
-                    if info.compress_type == zipfile.ZIP_STORED:
-                        self.records[key] = (_data_offset(f, info, path), info.file_size)
-        except OSError as e:
-            raise CheckpointError(f"cannot read: {e.strerror}", path) from None
-        if not isinstance(self.obj, dict):
-            raise CheckpointError(f"data.pkl holds a {type(self.obj).__name__}, not a dict", path)
-
-    def flat(self, t: object, what: str) -> _Flat:
-        """``t`` as a contiguous run in this file (checked against its storage record)."""
-        if not isinstance(t, _Lazy):
-            raise CheckpointError(f"{what} is a {type(t).__name__}, not a tensor", self.path)
-        item = BITS.get(t.dtype, 0) // 8
-        if not item or not all(type(x) is int and x >= 0 for x in (t.offset, *t.size, *t.stride)):
-            raise CheckpointError(f"{what}: unsupported dtype {t.dtype} or bad view", self.path)
-        if len(t.stride) != len(t.size):
-            raise CheckpointError(f"{what}: {len(t.size)} dims but {len(t.stride)} strides", self.path)
-        numel, expect = math.prod(t.size), 1
-        for d, s in zip(reversed(t.size), reversed(t.stride), strict=True):
-            if d != 1 and s != expect:
-                raise CheckpointError(f"{what}: a non-contiguous view", self.path)
-            expect *= d
-        if t.storage.key not in self.records:
-            raise CheckpointError(f"{what}: storage record data/{t.storage.key} is compressed", self.path)
-        start, size = self.records[t.storage.key]
-        if (t.offset + numel) * item > size:
-            raise CheckpointError(f"{what}: runs past its {size}-byte storage record", self.path)
-        return _Flat(self.path, start + t.offset * item, numel, t.dtype)
-
-
-def _shape(v: object, what: str, path: Path) -> tuple[int, ...]:
-    if isinstance(v, _Opaque):  # never expected: torch.Size is read as a tuple
-        raise CheckpointError(f"{what}: shape is a {type(v).__name__}", path)
-    if not isinstance(v, (tuple, list)) or not all(type(d) is int and d >= 0 for d in v):
-        raise CheckpointError(f"{what}: bad shape {v!r:.60}", path)
-    return tuple(v)
-
-
-def _stage(v: object) -> object:
-    if isinstance(v, _Opaque) and len(v.args) == 1:
-        return v.args[0]
-    return v
-
-
-class _Cursor:
-    """Walks a virtual concatenation of flat runs, handing out tiles."""
-
-    def __init__(self, parts: list[_Flat]):
-        self.parts = parts
-        self.bounds = [0]
-        for p in parts:
-            self.bounds.append(self.bounds[-1] + p.numel)
-
-    @property
-    def numel(self) -> int:
-        return self.bounds[-1]
-
-    def tiles(self, at: int, count: int, into: int) -> list[Tile]:
-        """Tiles for elements ``[at, at+count)`` of the concatenation, placed from element ``into``."""
-        out = []
-        for i, p in enumerate(self.parts):
-            lo, hi = max(at, self.bounds[i]), min(at + count, self.bounds[i + 1])
-            if lo < hi:
-                item = BITS[p.dtype] // 8
-                out.append(Tile(p.path, p.start + (lo - self.bounds[i]) * item, (into + lo - at,), (hi - lo,)))
-        return out
 
 
 def find_zero(path: Path) -> Path | None:
@@ -273,7 +116,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
     if 0 not in optim:
         raise CheckpointError("rank 0's optimizer file (zero_pp_rank_0_…_optim_states.pt) is missing", step_dir)
 
-    first = _RankFile(optim[0])
+    first = RankFile(optim[0])
     osd = first.obj.get("optimizer_state_dict")
     if not isinstance(osd, dict) or "zero_stage" not in osd:
         raise CheckpointError("no optimizer_state_dict with a zero_stage: not a ZeRO optimizer file", first.path)
@@ -281,7 +124,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
         raise CheckpointError(
             "ZeRO-3 expert partition groups (AutoEP MoE): expert-parallel state is not supported", first.path
         )
-    stage = _stage(osd["zero_stage"])
+    stage = stage_of(osd["zero_stage"])
     if stage not in (1, 2, 3):
         raise CheckpointError(f"unknown ZeRO stage {stage!r:.40}", first.path)
     count = osd.get("partition_count")
@@ -302,12 +145,12 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
     if len(optim) != world:
         raise CheckpointError(f"{len(optim)} optimizer rank files for a world size of {world}", step_dir)
 
-    ranks = [first] + [_RankFile(optim[r]) for r in range(1, world)]
+    ranks = [first] + [RankFile(optim[r]) for r in range(1, world)]
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    groups: list[list[_Flat]] = []  # [rank][group]
+    groups: list[list[Flat]] = []  # [rank][group]
     for rf in ranks:
         o = rf.obj.get("optimizer_state_dict")
-        if not isinstance(o, dict) or _stage(o.get("zero_stage")) != stage or o.get("partition_count") != count:
+        if not isinstance(o, dict) or stage_of(o.get("zero_stage")) != stage or o.get("partition_count") != count:
             raise CheckpointError(f"stage or partition count differs from rank 0's ({optim[0].name})", rf.path)
         flat = o.get(key)
         if not isinstance(flat, list):
@@ -327,7 +170,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
                 raise CheckpointError(
                     f"rank {r}'s model states file {p.name} is missing (world size {world})", step_dir
                 )
-            models.append(_RankFile(p))
+            models.append(RankFile(p))
         extra = [n for n in names if Z3_MODEL_RE.match(n) and int(Z3_MODEL_RE.match(n)[1]) >= world]
         if extra:
             raise CheckpointError(f"model states files beyond world size {world}: {listing(extra, 3)}", step_dir)
@@ -335,7 +178,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
         p = step_dir / "mp_rank_00_model_states.pt"
         if not p.is_file():
             raise CheckpointError(f"{p.name} is missing", step_dir)
-        models = [_RankFile(p)]
+        models = [RankFile(p)]
     for m in models:
         if any(k in m.obj for k in AUTOEP_KEYS if m.obj.get(k)):
             raise CheckpointError("AutoEP MoE layers: expert-parallel ZeRO state is not supported", m.path)
@@ -364,7 +207,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
             raise CheckpointError(f"{name!r}: {err}", where)
         entries[name] = Entry(name, dtype, shape, tuple(tiles))
 
-    def whole(name: str, t: object, rf: _RankFile, shape: tuple[int, ...] | None = None) -> None:
+    def whole(name: str, t: object, rf: RankFile, shape: tuple[int, ...] | None = None) -> None:
         f = rf.flat(t, repr(name))
         shape = tuple(t.size) if shape is None else shape
         if math.prod(shape) != f.numel:
@@ -383,12 +226,12 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
             f"buffers {listing(low, 4)} are kept as saved ({entries[low[0]].dtype}); zero_to_fp32 upcasts them"
         )
 
-    trainable = [(n, _shape(s, repr(n), model.path)) for g in param_shapes for n, s in g.items()]
+    trainable = [(n, shape_of(s, repr(n), model.path)) for g in param_shapes for n, s in g.items()]
     trained = {n for n, _ in trainable}
     frozen_shapes = sd.get("frozen_param_shapes")
     if stage == 3 and frozen_shapes:
         for name, s in frozen_shapes.items():
-            shape = _shape(s, repr(name), model.path)
+            shape = shape_of(s, repr(name), model.path)
             n, at, tiles, dtype = math.prod(shape), 0, [], None
             for r, m in enumerate(models):
                 frags = m.obj.get("frozen_param_fragments")
@@ -411,7 +254,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
         for name, s in frozen_shapes.items():
             if name not in frags:
                 raise CheckpointError(f"frozen param {name!r} has no saved tensor", model.path)
-            whole(name, frags[name], model, _shape(s, repr(name), model.path))
+            whole(name, frags[name], model, shape_of(s, repr(name), model.path))
     elif stage < 3:
         # ZeRO-1 saves no frozen_param_*: what is left of the module is the frozen params
         frozen = [
@@ -439,7 +282,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
                 )
             if [p.numel for p in parts] != [p.numel for p in groups[0]]:
                 raise CheckpointError("fp32_flat_groups sizes differ from rank 0's", ranks[r].path)
-        cursors = [_Cursor(parts) for parts in groups]
+        cursors = [Cursor(parts) for parts in groups]
         offset = 0
         for name, shape in trainable:
             n = math.prod(shape)
@@ -475,10 +318,10 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
                     f"{'missing' if pads is None else len(pads)}",
                     ranks[0].path,
                 )
-            cur = _Cursor([parts[g] for parts in groups])
+            cur = Cursor([parts[g] for parts in groups])
             offset = 0
             for i, (name, s) in enumerate(shapes.items()):
-                shape = _shape(s, repr(name), model.path)
+                shape = shape_of(s, repr(name), model.path)
                 n = math.prod(shape)
                 if offset + n > cur.numel:
                     raise CheckpointError(
