@@ -5,9 +5,10 @@ little-endian length, at most 100 MB of UTF-8 JSON that is an object, each
 entry ``{"dtype", "shape", "data_offsets"}`` (extra fields ignored), an
 optional ``__metadata__`` map of strings, and tensors that tile the data area
 exactly: no gap, no overlap, no trailing byte. Its JSON parser's limits are
-kept too: containers nested at most 127 deep, numbers that serde_json's float
-reading does not overflow (anywhere, extra fields included), element counts
-whose running product stays within 64 bits even before a zero dimension.
+kept too (streamck.source.serde: containers nested at most 127 deep, numbers
+that serde_json's float reading does not overflow, anywhere, extra fields
+included), and element counts whose running product stays within 64 bits even
+before a zero dimension.
 Stricter, on purpose (README, "Differences from the reference reader"): a key
 given twice in any object is refused, where the reference keeps the last one or
 ignores it; an entry must be a JSON object and a dtype a string, where serde
@@ -32,9 +33,10 @@ import orjson
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError, OutputError
 from streamck.source.runs import Run, Tile, strided_runs, tile_runs
+from streamck.source.serde import MAX_NESTING, decode_json, serde_overflows
+from streamck.source.serde import Invalid as _Invalid
 
 MAX_HEADER = 100_000_000  # the reference reader's cap on the JSON header, in bytes
-MAX_NESTING = 127  # serde_json's recursion limit (128) refuses the 128th nested container
 METADATA_KEY = "__metadata__"
 ALIGN = 8  # the data area starts at a multiple of this
 _U64 = 1 << 64
@@ -99,96 +101,6 @@ class Header:
     data_start: int
 
 
-class _Invalid(Exception):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _Invalid(f"key {dup!r} appears twice in one object")
-    return d
-
-
-def _no_constant(name: str) -> float:
-    raise _Invalid(f"{name} is not JSON")
-
-
-_POW10 = [float(f"1e{i}") for i in range(309)]  # serde_json's table: 1e0 ..= 1e308
-_U64_MAX = _U64 - 1
-
-
-def _serde_overflows(text: str) -> bool:
-    """Whether serde_json (as the reference reader builds it: no ``float_roundtrip``)
-    refuses the JSON number ``text`` as out of range.
-
-    It keeps the leading digits that fit a u64, counts the rest into a decimal exponent
-    and multiplies by a rounded power of ten, so its verdict near the top of the f64
-    range differs from a correctly rounded parse (``1.7976931348623158e308`` is refused).
-    This follows its ``parse_integer``, ``parse_decimal``, ``parse_exponent`` and
-    ``f64_from_parts`` step by step; ``text`` is valid JSON number syntax.
-    """
-    i, n = (1 if text[0] == "-" else 0), len(text)
-    sig = exponent = 0
-    overflowed = False  # the significand is full: further digits only scale it
-
-    def push(digit: int) -> bool:
-        nonlocal sig
-        if sig > _U64_MAX // 10 or (sig == _U64_MAX // 10 and digit > _U64_MAX % 10):
-            return False
-        sig = sig * 10 + digit
-        return True
-
-    while i < n and "0" <= text[i] <= "9":  # integer part (JSON: no leading zeros)
-        if not overflowed and not push(ord(text[i]) - 48):
-            overflowed = True
-        if overflowed:
-            exponent += 1
-        i += 1
-    if i < n and text[i] == ".":  # parse_decimal restarts pushing, even after an overflow
-        i += 1
-        while i < n and "0" <= text[i] <= "9":
-            if not push(ord(text[i]) - 48):
-                while i < n and "0" <= text[i] <= "9":
-                    i += 1
-                break
-            exponent -= 1
-            i += 1
-    elif not overflowed and (i == n or text[i] not in "eE"):
-        return False  # a u64 or i64 (or a float for -0 and below i64::MIN): always in range
-    if i < n and text[i] in "eE":
-        i += 1
-        positive = text[i] != "-"
-        i += text[i] in "+-"
-        digits = text[i:].lstrip("0") or "0"
-        if len(digits) > 10 or int(digits) > 2**31 - 1:  # parse_exponent_overflow
-            return sig != 0 and positive
-        exp = int(digits)
-        exponent = max(-(2**31), min(2**31 - 1, exponent + exp if positive else exponent - exp))
-    f = float(sig)
-    while True:
-        if abs(exponent) <= 308:
-            return exponent >= 0 and f * _POW10[exponent] == float("inf")
-        if f == 0.0:
-            return False
-        if exponent >= 0:
-            return True
-        f /= 1e308
-        exponent += 308
-
-
-def _parse_int(text: str) -> int | float:
-    return -0.0 if text == "-0" else int(text)  # serde reads -0 as a float
-
-
-def _parse_float(text: str) -> float:
-    if _serde_overflows(text):
-        raise _Invalid(f"number {text if len(text) <= 40 else text[:20] + '...'} out of range")
-    return float(text)
-
-
 def _check_extra(name: str, entry: dict, fast: bool) -> None:
     """The fields of a tensor entry that are not read still obey the reference's JSON
     limits: nesting (the header object and the entry are two levels) and numbers. An
@@ -199,61 +111,14 @@ def _check_extra(name: str, entry: dict, fast: bool) -> None:
         value, depth = todo.pop()
         if type(value) is float and fast:
             text = orjson.dumps(value).decode()  # a float's text, as the fast path proved it
-            if _serde_overflows(text):
+            if serde_overflows(text):
                 raise _Invalid(f"tensor {name!r}: number {text} out of range")
-        elif type(value) is int and not -_U64 < value < _U64 and _serde_overflows(str(value)):
+        elif type(value) is int and not -_U64 < value < _U64 and serde_overflows(str(value)):
             raise _Invalid(f"tensor {name!r}: integer of {len(str(abs(value)))} digits out of range")
         elif isinstance(value, dict | list):
             if depth > MAX_NESTING:
                 raise _Invalid(f"tensor {name!r}: JSON nested more than {MAX_NESTING} deep")
             todo.extend((v, depth + 1) for v in (value.values() if type(value) is dict else value))
-
-
-def _has_surrogate(value: object) -> bool:
-    if isinstance(value, str):
-        return any("\ud800" <= c <= "\udfff" for c in value)
-    if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_surrogate(v) for v in value)
-    return False
-
-
-def _decode_json(raw: bytes) -> tuple[dict, bool]:
-    """The header object, and whether the orjson fast path read it."""
-    # Fast path: orjson, accepted only when the header is exactly orjson's own rendering
-    # of what it parsed. That proves no key was given twice (a duplicate would be
-    # missing from the re-rendering) and no number was read loosely. Anything else,
-    # hand-written or odd, goes through the exact, slower stdlib parse below.
-    try:
-        obj = orjson.loads(raw)
-        if type(obj) is dict and orjson.dumps(obj) == raw.strip(b" \t\r\n"):
-            return obj, True
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # encode: nested past orjson's 254
-        pass
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Invalid(f"header is not UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        obj = json.loads(
-            text,
-            object_pairs_hook=_no_duplicates,
-            parse_constant=_no_constant,
-            parse_int=_parse_int if "-0" in text else None,  # the hook is slow; -0 is rare
-            parse_float=_parse_float,
-        )
-    except json.JSONDecodeError as e:
-        raise _Invalid(f"header is not valid JSON ({e.msg} at char {e.pos})") from None
-    except ValueError:  # Python's int-string limit: an integer of thousands of digits, far past f64
-        raise _Invalid("header has an integer of thousands of digits: out of range") from None
-    except RecursionError:
-        raise _Invalid(f"header JSON is nested more than {MAX_NESTING} deep") from None
-    if not isinstance(obj, dict):
-        raise _Invalid(f"header is JSON {type(obj).__name__}, not an object")
-    if "\\u" in text and _has_surrogate(obj):
-        raise _Invalid("header has a lone UTF-16 surrogate escape")
-    return obj, False
 
 
 _FIELDS = frozenset(("dtype", "shape", "data_offsets"))
@@ -311,7 +176,7 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
     """
     data_start = 8 + len(raw)
     try:
-        obj, fast = _decode_json(raw)
+        obj, fast = decode_json(raw)
         metadata = obj.pop(METADATA_KEY, None)
         if metadata is None:
             metadata = {}
