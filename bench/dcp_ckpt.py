@@ -86,6 +86,7 @@ def _worker(rank: int, jobs: list[tuple[str, int]], store_path: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         for root, size in jobs:
             _save(rank, mesh, Path(root), size)
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
