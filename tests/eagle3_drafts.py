@@ -7,11 +7,11 @@ target's text config (num_hidden_layers is the target's) plus the recipe's keys.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
-from helpers import save, save_sharded
+from eagle4_drafts import serving_name  # noqa: F401  the same rename for both plans: model. dropped
+from helpers import write_step
 
 BASE_CONFIG = {
     "architectures": ["LlamaEagle3DraftModel"],
@@ -86,10 +86,6 @@ def shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def serving_name(train: str) -> str:
-    return train.removeprefix("model.")
-
-
 def make_draft(
     root: Path,
     config_overrides: dict | None = None,
@@ -116,15 +112,7 @@ def make_draft(
         tensors["t2d"] = t2d
     if tensors_edit:
         tensors_edit(tensors)
-    directory = root / "model" / "consolidated" if consolidated else root
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    (directory / "generation_config.json").write_text("{}")
-    if shards:
-        save_sharded(directory, tensors, shards)
-    else:
-        save(directory / "model.safetensors", tensors)
-    return root, config, tensors
+    return write_step(root, config, tensors, consolidated=consolidated, shards=shards), config, tensors
 
 
 # ---- what the engines build from a served config.json, and how their loaders map names ----

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
-from helpers import save, save_sharded
+from helpers import write_step
 
 BASE_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -94,12 +93,4 @@ def make_draft(
     tensors = {k: rng.standard_normal(s, dtype=np.float32).astype(dtype) for k, s in shapes(config).items()}
     if tensors_edit:
         tensors_edit(tensors)
-    directory = root / "model" / "consolidated" if consolidated else root
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    (directory / "generation_config.json").write_text("{}")
-    if shards:
-        save_sharded(directory, tensors, shards)
-    else:
-        save(directory / "model.safetensors", tensors)
-    return root, config, tensors
+    return write_step(root, config, tensors, consolidated=consolidated, shards=shards), config, tensors

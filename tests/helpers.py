@@ -50,6 +50,20 @@ def save_sharded(directory: Path, tensors: dict[str, np.ndarray], n: int, index:
     return directory
 
 
+def write_step(root: Path, config: dict, tensors: dict, *, consolidated: bool = False, shards: int = 0) -> Path:
+    """A training step as the trainer saves it: ``config.json``, a generation config and the
+    tensors (one file, or ``shards`` with an index), in ``root`` or its ``model/consolidated``."""
+    directory = root / "model" / "consolidated" if consolidated else root
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text("{}")
+    if shards:
+        save_sharded(directory, tensors, shards)
+    else:
+        save(directory / "model.safetensors", tensors)
+    return root
+
+
 def raw_bytes(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
     """A safetensors file's bytes from a header (dict, or raw JSON bytes) and data, by hand:
     ``length`` overrides the 8-byte header length."""

@@ -39,7 +39,7 @@ from streamck.plan.eagle3_layout import (
     TENSORS,
     VOCAB_MAP,
 )
-from streamck.plan.eagle4 import _listing, _load_config, find_checkpoint_dir
+from streamck.plan.eagle4 import _listing, _load_config, check_shape, evaluate, find_checkpoint_dir
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
 from streamck.source.layout import HF_METADATA
@@ -137,15 +137,6 @@ def table(config: dict, symbols: dict[str, int]) -> list[Row]:
     if symbols["Vd"] < symbols["V"]:
         rows += VOCAB_MAP
     return rows
-
-
-def _evaluate(expr: str, symbols: dict[str, int]) -> int:
-    return math.prod(int(f) if f.isdigit() else symbols[f] for f in expr.split("*"))
-
-
-def _behind(exprs: tuple[str, ...]) -> str:
-    used = dict.fromkeys(f for e in exprs for f in e.split("*") if not f.isdigit())
-    return ", ".join(f"{s} = {SYMBOLS[s]}" for s in used)
 
 
 def _dtype_keys(config: dict, out: dict, dtype: str | None) -> None:
@@ -252,19 +243,14 @@ def _compile(path: str | os.PathLike, rules: Rules | None, name: str) -> tuple[P
     tensors = []
     for serve, train, exprs, dtypes in rows:
         ref = ckpt.tensors[train]
-        want = tuple(_evaluate(e, symbols) for e in exprs)
+        want = tuple(evaluate(e, symbols) for e in exprs)
         if train == "lm_head.weight" and ref.shape[:1] != want[:1]:
             raise PlanError(
                 f"lm_head.weight has {ref.shape[0] if ref.shape else 0} rows, draft_vocab_size is "
                 f"{symbols['Vd']} (shape {list(ref.shape)}, expected {list(want)})",
                 directory,
             )
-        if ref.shape != want:
-            raise PlanError(
-                f"{train} has shape {list(ref.shape)}, expected {list(want)} = "
-                f"[{', '.join(exprs)}] from {_behind(exprs)}",
-                directory,
-            )
+        check_shape(train, ref.shape, exprs, symbols, SYMBOLS, directory)
         if ref.dtype not in dtypes:
             raise PlanError(f"{train} is {ref.dtype}; expected {' or '.join(dtypes)}", directory)
         tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))

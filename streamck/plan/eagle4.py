@@ -144,16 +144,26 @@ def training_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Training key -> shape that the contract expects for ``config`` (PlanError if the
     config is not a supported EAGLE-4 draft)."""
     symbols = structure(config, Path("config.json"))
-    return {train: tuple(_evaluate(e, symbols) for e in exprs) for _, train, exprs in table(config)}
+    return {train: tuple(evaluate(e, symbols) for e in exprs) for _, train, exprs in table(config)}
 
 
-def _evaluate(expr: str, symbols: dict[str, int]) -> int:
+def evaluate(expr: str, symbols: dict[str, int]) -> int:
+    """A table expression (``H``, ``2*H``, ``nh*d``) with the config's symbols."""
     return math.prod(int(f) if f.isdigit() else symbols[f] for f in expr.split("*"))
 
 
-def _behind(exprs: tuple[str, ...]) -> str:
-    used = dict.fromkeys(f for e in exprs for f in e.split("*") if not f.isdigit())
-    return ", ".join(f"{s} = {SYMBOLS[s]}" for s in used)
+def check_shape(
+    train: str, shape: tuple[int, ...], exprs: tuple[str, ...], symbols: dict[str, int], names: dict, where: Path
+) -> None:
+    """Raise PlanError when ``shape`` is not the table's ``exprs`` evaluated with the config's
+    ``symbols``: expected vs found, and the config keys behind (``names``: symbol -> key)."""
+    want = tuple(evaluate(e, symbols) for e in exprs)
+    if shape != want:
+        used = dict.fromkeys(f for e in exprs for f in e.split("*") if not f.isdigit())
+        behind = ", ".join(f"{u} = {names[u]}" for u in used)
+        raise PlanError(
+            f"{train} has shape {list(shape)}, expected {list(want)} = [{', '.join(exprs)}] from {behind}", where
+        )
 
 
 def serving_config(config: dict, dtype: str | None = None) -> dict:
@@ -202,13 +212,7 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
     tensors = []
     for serve, train, exprs in rows:
         ref = ckpt.tensors[train]
-        want = tuple(_evaluate(e, symbols) for e in exprs)
-        if ref.shape != want:
-            raise PlanError(
-                f"{train} has shape {list(ref.shape)}, expected {list(want)} = "
-                f"[{', '.join(exprs)}] from {_behind(exprs)}",
-                directory,
-            )
+        check_shape(train, ref.shape, exprs, symbols, SYMBOLS, directory)
         if ref.dtype not in FLOAT_DTYPES:
             raise PlanError(f"{train} is {ref.dtype}; EAGLE-4 tensors are F32, BF16 or F16", directory)
         tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from streamck.errors import CheckpointError
 from streamck.source.header import read_header
 from streamck.source.runs import Tile, tiling_error
+from streamck.source.serde import Invalid, no_duplicates
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 _SHARD_NAME = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors")
@@ -46,15 +47,6 @@ class Entry(NamedTuple):
 def _common_dir(paths: list[Path]) -> Path:
     parents = {p.parent for p in paths}
     return parents.pop() if len(parents) == 1 else paths[0]
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"key {dup!r} appears twice")
-    return d
 
 
 def _int_tuple(value: object) -> tuple[int, ...] | None:
@@ -110,8 +102,8 @@ def read_sharded_safetensors(paths: list[Path]) -> tuple[dict[str, Entry], list[
         if raw is None:
             raise CheckpointError(f"__metadata__ has no {SHARDING_KEY}: not a DCP-sharded safetensors file", path)
         try:
-            info = json.loads(raw, object_pairs_hook=_no_duplicates)
-        except ValueError as e:
+            info = json.loads(raw, object_pairs_hook=no_duplicates)
+        except (ValueError, Invalid) as e:
             raise CheckpointError(f"{SHARDING_KEY} is not valid JSON: {e}", path) from None
         if not isinstance(info, dict):
             raise CheckpointError(f"{SHARDING_KEY} is JSON {type(info).__name__}, not an object", path)

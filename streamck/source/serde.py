@@ -17,7 +17,8 @@ class Invalid(Exception):
     pass
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``'s object hook that refuses a key given twice (raises Invalid)."""
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set[str] = set()
@@ -132,7 +133,7 @@ def decode_json(raw: bytes) -> tuple[dict, bool]:
     try:
         obj = json.loads(
             text,
-            object_pairs_hook=_no_duplicates,
+            object_pairs_hook=no_duplicates,
             parse_constant=_no_constant,
             parse_int=_parse_int if "-0" in text else None,  # the hook is slow; -0 is rare
             parse_float=_parse_float,
