@@ -156,3 +156,24 @@ def test_weight_map_puts_a_tensor_in_the_wrong_shard(tmp_path):
     _index(tmp_path, {"x": "b.safetensors", "y": "a.safetensors"})
     with pytest.raises(CheckpointError, match="weight_map puts 'x' in b.safetensors, but it is in a.safetensors"):
         open_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_indexing_leaves_the_collector_as_it_was(tmp_path, frozen):
+    # open_checkpoint moves its objects to the oldest generation (gc.freeze + unfreeze);
+    # a caller's own frozen objects must stay frozen, and a disabled collector disabled.
+    import gc
+
+    save_sharded(tmp_path, llama_like(), 2)
+    if frozen:
+        gc.freeze()
+    count = gc.get_freeze_count()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            assert open_checkpoint(tmp_path).tensors
+            assert gc.isenabled() is enabled
+            assert gc.get_freeze_count() == count
+    finally:
+        gc.enable()
+        gc.unfreeze()
