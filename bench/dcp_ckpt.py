@@ -28,7 +28,6 @@ WORLD = 2
 MiB = 1 << 20
 
 
-
 def plan(size: int) -> list[tuple[str, tuple[int, ...], str, str]]:
     """(name, full shape, dtype 'f32'|'bf16', placement 'S0'|'S1'|'R') until ``size`` bytes."""
     hidden = 2048 if size >= 1 << 30 else (512 if size >= 64 * MiB else 64)

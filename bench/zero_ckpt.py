@@ -29,7 +29,6 @@ WORLD = 2
 MiB = 1 << 20
 
 
-
 def dims(size: int) -> tuple[int, int, int, int]:
     """(vocab, hidden, intermediate, layers) for about ``size`` bytes of fp32 params."""
     hidden = 2048 if size >= 1 << 30 else (512 if size >= 64 * MiB else 64)

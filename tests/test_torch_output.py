@@ -51,8 +51,20 @@ def test_single_archive_loads_with_torch(tmp_path, state, name):
 
 def test_sharded_bin_with_index_and_cast(tmp_path):
     src = save_sharded(tmp_path / "src", llama_like(layers=3), 2)
-    r = cli("rewrite", src, "-o", tmp_path / "out", "--format", "torch", "--max-shard-size", "600B",
-                     "--dtype", "bf16", "--verify", "-q")
+    r = cli(
+        "rewrite",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--format",
+        "torch",
+        "--max-shard-size",
+        "600B",
+        "--dtype",
+        "bf16",
+        "--verify",
+        "-q",
+    )
     assert r.returncode == 0, r.stderr
     index = json.loads((tmp_path / "out" / "pytorch_model.bin.index.json").read_text())
     files = sorted(p.name for p in (tmp_path / "out").glob("pytorch_model-*.bin"))

@@ -185,9 +185,7 @@ def test_run_root_needs_a_step(tmp_path):
 
 def test_step_latest_is_numeric_and_side_files_are_copied(tmp_path):
     run = make_run(tmp_path / "run")
-    proc = cli(
-        "rewrite", run, "--step", "latest", "-o", tmp_path / "deploy", "--strip-prefix", "model.", "-q"
-    )
+    proc = cli("rewrite", run, "--step", "latest", "-o", tmp_path / "deploy", "--strip-prefix", "model.", "-q")
     assert proc.returncode == 0, proc.stderr
     deploy = tmp_path / "deploy"
     assert sorted(p.name for p in deploy.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]

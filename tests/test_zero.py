@@ -69,8 +69,9 @@ def test_complete_weights_are_the_default_and_zero_takes_the_master(zero_cases, 
     ckpt = tmp_path / "checkpoint-1"
     shutil.copytree(case["checkpoint"], ckpt)
     want = expected(case)
-    save_file({n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in want.items()},
-              ckpt / "model.safetensors")
+    save_file(
+        {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in want.items()}, ckpt / "model.safetensors"
+    )
     r = cli("ls", ckpt)
     assert r.returncode == 0 and "--zero reads its fp32 master weights" in r.stderr
     assert open_checkpoint(ckpt).tensors["embed.weight"].dtype == "BF16"
@@ -99,8 +100,9 @@ def test_a_rank_file_with_a_bad_crc_is_one_line(zero_cases, tmp_path):
     rank = next((ckpt / "global_step1").glob("*rank_1_*optim_states.pt"))
     info = next(i for i in zipfile.ZipFile(rank).infolist() if i.filename.endswith("data.pkl"))
     raw = bytearray(rank.read_bytes())
-    name, extra = int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little"), int.from_bytes(
-        raw[info.header_offset + 28 : info.header_offset + 30], "little"
+    name, extra = (
+        int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little"),
     )
     raw[info.header_offset + 30 + name + extra + info.file_size // 2] ^= 0xFF  # inside the pickle's bytes
     rank.write_bytes(bytes(raw))
