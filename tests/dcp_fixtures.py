@@ -28,6 +28,9 @@ WORLD = 2
 STEP = 10
 
 
+VOCAB, HIDDEN = 101, 48
+
+
 def full_state() -> dict[str, torch.Tensor]:
     """The unsharded tensors, by flattened DCP name; the same on every rank."""
     g = torch.Generator().manual_seed(1234)
@@ -43,6 +46,7 @@ def full_state() -> dict[str, torch.Tensor]:
         "model.vec": rnd(37),  # 1-D Shard(0): 19 + 18
         "model.cube_bf16": rnd(4, 6, 5, dtype=torch.bfloat16),  # 3-D Shard(1)
         "model.layers.0.norm.weight": rnd(48, dtype=torch.bfloat16),  # deep nesting, Replicate
+        "model.embed_tokens.weight": rnd(VOCAB, HIDDEN),  # Shard(0), 51 + 50 rows: config.json fixes its shape
         "extra.w": rnd(5, 7),  # a plain torch.Tensor, not a DTensor
     }
 
@@ -58,6 +62,7 @@ def _placements():
         "model.vec": Shard(0),
         "model.cube_bf16": Shard(1),
         "model.layers.0.norm.weight": Replicate(),
+        "model.embed_tokens.weight": Shard(0),
     }
 
 
@@ -164,7 +169,13 @@ def _worker(rank: int, root: str, store_path: str) -> None:
         if rank == 0:  # Automodel's rank 0 writes .hf_metadata before the save (addons.py pre_save)
             meta = model_dir / ".hf_metadata"
             meta.mkdir(parents=True, exist_ok=True)
-            config = {"architectures": ["TinyForCausalLM"], "model_type": "tiny", "torch_dtype": "bfloat16"}
+            config = {
+                "architectures": ["TinyForCausalLM"],
+                "model_type": "tiny",
+                "torch_dtype": "bfloat16",
+                "vocab_size": VOCAB,
+                "hidden_size": HIDDEN,
+            }
             (meta / "config.json").write_text(json.dumps(config, indent=2))
             with open(meta / "fqn_to_file_index_mapping.json", "w") as f:
                 json.dump(dict.fromkeys(full, 1), f, indent=2, sort_keys=True)

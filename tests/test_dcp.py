@@ -1,6 +1,7 @@
 """DCP and Automodel checkpoints as sources: every command, consolidated on the fly, equal
 to the full tensors torch started from (tests/dcp_fixtures.py writes them with torch)."""
 
+import json
 import shutil
 
 import pytest
@@ -96,6 +97,46 @@ def test_missing_last_rank_file_is_caught_by_the_fqn_map(dcp_ckpts, tmp_path):
         open_checkpoint(model)
     r = cli("rewrite", model, "-o", tmp_path / "out")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_missing_last_rank_file_is_caught_by_the_config(dcp_ckpts, tmp_path):
+    # Without the fqn map, the shards alone still tile every tensor they hold, each one
+    # shorter: only the config's sizes tell that the embedding lost the last rank's rows.
+    model = tmp_path / "model"
+    shutil.copytree(dcp_ckpts["automodel_dir"], model)
+    (model / ".hf_metadata" / "fqn_to_file_index_mapping.json").unlink()
+    assert open_checkpoint(model).tensors["model.embed_tokens.weight"].shape == (101, 48)
+    sorted(model.glob("shard-*.safetensors"))[-1].unlink()
+    message = (
+        r"config.json: vocab_size 101 and hidden_size 48 make 'model.embed_tokens.weight' \[101, 48\], "
+        r"the shards make it \[51, 48\]"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        open_checkpoint(model)
+    r = cli("rewrite", model, "-o", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": 64}, r"hidden_size 64 make 'model.embed_tokens.weight' \[101, 64\]"),
+        ({"vocab_size": 128}, r"vocab_size 128 and hidden_size 48 make"),
+        ({"vocab_size": "101"}, None),  # not a size: nothing to check
+        ({"hidden_size": None, "vocab_size": None}, None),
+    ],
+)
+def test_config_sizes_against_the_shapes(dcp_ckpts, tmp_path, change, message):
+    model = tmp_path / "model"
+    shutil.copytree(dcp_ckpts["automodel_dir"], model)
+    config = model / ".hf_metadata" / "config.json"
+    merged = {**json.loads(config.read_text()), **change}
+    config.write_text(json.dumps({k: v for k, v in merged.items() if v is not None}))
+    if message is None:
+        assert open_checkpoint(model).tensors["model.embed_tokens.weight"].shape == (101, 48)
+    else:
+        with pytest.raises(CheckpointError, match=message):
+            open_checkpoint(model)
 
 
 def test_eagle4_from_shards_equals_the_export_from_consolidated(tmp_path):

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 
-import orjson
-
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
+from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
@@ -172,8 +171,7 @@ def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
         entries, notices = dcp.read_sharded_safetensors(layout.shards)
     tensors, paths = _tiled(entries, layout.root)
     files |= {p: FileStamp.of(p) for p in paths if p not in files}
-    if layout.side_root is not None:
-        _cross_check(layout.side_root, tensors)
+    cross_check(layout.side_root or layout.root, tensors)
     return Checkpoint(path, layout.root, tensors, {}, files, notices, layout.side_root)
 
 
@@ -194,27 +192,6 @@ def _tiled(entries: dict, root: Path) -> tuple[dict[str, TensorRef], list[Path]]
         for e in entries.values()
     }
     return tensors, list(dict.fromkeys(t.path for e in entries.values() for t in e.tiles))
-
-
-def _cross_check(side_root: Path, tensors: dict[str, TensorRef]) -> None:
-    """The tensor names against what the writer recorded beside the shards (Automodel's
-    ``fqn_to_file_index_mapping.json``): the shards record no world size, so a missing
-    last rank file shows only here."""
-    mapping = side_root / "fqn_to_file_index_mapping.json"
-    if not mapping.is_file():
-        return
-    try:
-        names = orjson.loads(mapping.read_bytes())
-    except orjson.JSONDecodeError as e:
-        raise CheckpointError(f"not valid JSON ({e})", mapping) from None
-    if not isinstance(names, dict):
-        raise CheckpointError("is not an object of tensor name to file index", mapping)
-    missing = [repr(n) for n in names if n not in tensors]
-    extra = [repr(n) for n in tensors if n not in names]
-    if missing:
-        raise CheckpointError(f"names {len(missing)} tensors the shards do not hold: {listing(missing, 5)}", mapping)
-    if extra:
-        raise CheckpointError(f"does not name {len(extra)} tensors the shards hold: {listing(extra, 5)}", mapping)
 
 
 _name = itemgetter(0)  # TensorRef.name, at C speed
