@@ -68,7 +68,7 @@ def case_rewrite(a: argparse.Namespace, tmp: Path) -> str:
         "safetensors load/save": lambda o: [PY, str(HERE / "naive.py"), str(big), str(o)],
         "streamck rewrite": lambda o: streamck("rewrite", str(big), "-o", str(o), "--strip-prefix", "model.", "-q"),
     }
-    runs = contend(contenders, out, a.reps, a.settle)
+    runs = contend(contenders, out, a.reps, a.settle, (big,))
     _, s_rss = run_child(streamck("rewrite", str(small), "-o", str(out), "--strip-prefix", "model.", "-q"), a.settle)
     shutil.rmtree(out)
     return (
@@ -98,7 +98,7 @@ def case_cast(a: argparse.Namespace, tmp: Path) -> str:
         "load_file/.to(bf16)/save_file": lambda o: [PY, str(HERE / "naive.py"), str(big), str(o), "--dtype", "bf16"],
         "streamck --dtype bf16": rw(big),
     }
-    runs = contend(contenders, out, a.reps, a.settle)
+    runs = contend(contenders, out, a.reps, a.settle, (big,))
     inmem = []
     for _ in range(a.reps):
         time.sleep(a.settle)
@@ -143,7 +143,7 @@ def case_cuda(a: argparse.Namespace, tmp: Path) -> str:
         "streamck --device cpu": cast("cpu"),
         "streamck --device cuda": cast("cuda"),
     }
-    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (big,))
     # The figures count only if the GPU wrote the CPU's bytes (bench data has no NaN).
     for device in ("cpu", "cuda"):
         subprocess.run(cast(device)(tmp / device), check=True)
@@ -173,7 +173,7 @@ def case_bin(a: argparse.Namespace, tmp: Path) -> str:
         "torch.load + save_file": lambda o: [PY, str(HERE / "naive_bin.py"), str(src), str(o)],
         "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
     }
-    runs = contend(contenders, out, a.reps, a.settle)
+    runs = contend(contenders, out, a.reps, a.settle, (src,))
     return (
         f"Source: one {data / 2**30:.2f} GiB `torch.save` zip (F32, largest tensor {embed / 2**30:.2f} GiB). "
         f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp + sync", data)
@@ -196,7 +196,7 @@ def case_view(a: argparse.Namespace, tmp: Path) -> str:
         "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
         "streamck rewrite --dtype bf16": lambda o: streamck("rewrite", str(src), "-o", str(o), "--dtype", "bf16", "-q"),
     }
-    runs = contend(contenders, tmp / "out.safetensors", a.reps, a.settle)
+    runs = contend(contenders, tmp / "out.safetensors", a.reps, a.settle, (src,))
     return (
         f"Source: one `torch.save` zip holding a {side}×{side} F32 matrix saved transposed ({data / 2**30:.2f} GiB); "
         f"each output row takes one element of every source row. {a.reps} interleaved reps, "
@@ -214,7 +214,7 @@ def case_eagle4(a: argparse.Namespace, tmp: Path) -> str:
         "cp -r + sync": lambda o: ["sh", "-c", f'cp -r "{weights}" "{o}" && sync "{o}"/*'],
         "streamck --plan eagle4": lambda o: streamck("rewrite", str(src), "-o", str(o), "--plan", "eagle4", "-q"),
     }
-    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (weights,))
     return (
         f"Draft for a 70B target with every size divided by {a.eagle_scale} (BF16, {data / 2**30:.2f} GiB). "
         f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync", data)
@@ -237,7 +237,7 @@ def case_lsdiff(a: argparse.Namespace, tmp: Path) -> str:
         "streamck ls --json": lambda o: [PY, "-c", probe, "ls", str(root), "--json"],
         "streamck diff golden.json CKPT": lambda o: [PY, "-c", probe, "diff", str(tmp / "golden.json"), str(root)],
     }
-    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (root,))
     check = subprocess.run(
         [PY, "-c", probe, "diff", str(tmp / "golden.json"), str(root)], capture_output=True, text=True
     )
@@ -318,7 +318,7 @@ def case_dcp(a: argparse.Namespace, tmp: Path) -> str:
         "streamck rewrite (.distcp)": lambda o: streamck("rewrite", str(distcp), "-o", str(o), "-q"),
     }
     out = tmp / "out"
-    runs = contend(contenders, out, a.reps, a.settle)
+    runs = contend(contenders, out, a.reps, a.settle, (hf, distcp))
     _, s_hf = run_child(streamck("rewrite", str(small["hf"]), "-o", str(out), "-q"), a.settle)
     shutil.rmtree(out)
     _, s_dcp = run_child(streamck("rewrite", str(small["dcp"]), "-o", str(out), "-q"), a.settle)
@@ -388,7 +388,7 @@ def case_zero(a: argparse.Namespace, tmp: Path) -> str:
     else:
         err = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
         notes.append(f"streamck not run: `streamck ls checkpoint-1` failed (status {probe.returncode}: {err}).")
-    runs = contend(contenders, tmp / "out", a.reps, a.settle)
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (step,))
     return (
         f"Checkpoint: trained one AdamW step and saved by DeepSpeed {_ds_version()} (ZeRO-3, fp32, 2 CPU ranks "
         f"on gloo): `checkpoint-1/global_step1` {data / 2**30:.2f} GiB, of which optimizer states "
@@ -422,7 +422,7 @@ def case_jobs(a: argparse.Namespace, tmp: Path) -> str:
         for where, out in (("tmpfs", shm / "out"), ("disk", tmp / "out")):
             for what, extra in (("copy", []), ("cast", ["--dtype", "bf16"])):
                 contenders = {f"--jobs {j}": _rewrite_jobs(src, j, extra) for j in (1, 2, 4)}
-                runs = contend(contenders, out, a.reps, a.settle)
+                runs = contend(contenders, out, a.reps, a.settle, (src,))
                 parts.append(f"**{what} into {where}**\n\n" + table(runs, "--jobs 1", data))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
