@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from streamck.errors import CheckpointError
@@ -27,3 +28,26 @@ def read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
         if n == 0:
             raise CheckpointError("file ended before its last tensor's bytes (truncated?)", path)
         view, offset = view[n:], offset + n
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+@functools.cache
+def _sync_file_range():
+    try:
+        import ctypes
+
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return call
+
+
+def start_writeback(fd: int, offset: int, length: int) -> bool:
+    """Have the kernel start writing ``fd``'s dirty pages in ``[offset, offset + length)``
+    to disk, and return at once (Linux ``sync_file_range``). False where that cannot be
+    done: another system, or an fd that is no regular file."""
+    call = _sync_file_range()
+    return call is not None and call(fd, offset, length, _SYNC_FILE_RANGE_WRITE) == 0
