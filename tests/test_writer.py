@@ -290,26 +290,31 @@ def test_the_writer_counts_its_bytes_against_the_layout(tmp_path, monkeypatch):
 
 
 def test_writeback_starts_the_disk_on_each_written_range(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
     from streamck.writer import shardwriter
 
     calls, seen = [], []
     real = shardwriter.start_writeback
     monkeypatch.setattr(shardwriter, "WRITEBACK_EVERY", 4096)
     monkeypatch.setattr(shardwriter, "start_writeback", lambda fd, off, n: calls.append((off, n)) or real(fd, off, n))
-    with open(tmp_path / "f", "wb") as f:
-        writeback = shardwriter.Writeback(f.fileno(), seen.append)
-        for _ in range(5):
-            os.write(f.fileno(), bytes(3000))
-            writeback(3000)
-    assert seen == [3000] * 5  # progress still counts every piece
-    assert calls == [(0, 6000), (6000, 6000)]  # each range once, in order, never past what was written
-    assert writeback.enabled is (sys.platform == "linux")
-    r, w = os.pipe()
-    try:
-        writeback = shardwriter.Writeback(w, seen.append)
-        os.write(w, bytes(5000))
-        writeback(5000)
-        assert not writeback.enabled  # a pipe (-o -): no writeback, no error
-    finally:
-        os.close(r)
-        os.close(w)
+    with ThreadPoolExecutor(1) as pool:
+        with open(tmp_path / "f", "wb") as f:
+            writeback = shardwriter.Writeback(f.fileno(), seen.append, pool)
+            for _ in range(5):
+                os.write(f.fileno(), bytes(3000))
+                writeback(3000)
+            writeback.wait()  # the requests run on the pool's thread; all done before the fd closes
+        assert seen == [3000] * 5  # progress still counts every piece
+        assert calls == [(0, 6000), (6000, 6000)]  # each range once, in order, never past what was written
+        assert writeback.enabled is (sys.platform == "linux")
+        r, w = os.pipe()
+        try:
+            writeback = shardwriter.Writeback(w, seen.append, pool)
+            os.write(w, bytes(5000))
+            writeback(5000)
+            writeback.wait()
+            assert not writeback.enabled  # a pipe (-o -): no writeback, no error
+        finally:
+            os.close(r)
+            os.close(w)

@@ -24,12 +24,15 @@ class Writeback:
     """A progress callback that also has the disk start on each WRITEBACK_EVERY bytes
     written to ``fd``, so that copying and the disk's work overlap and the closing fsync
     finds little left (``cp`` then ``sync`` does them in turn: on 1 GiB here, the fsync
-    was half the time). Off for good at the first fd or system that cannot."""
+    was half the time). The requests go to ``pool``'s thread, since one blocks while the
+    disk's queue is full (0.2 s of a 1 s ZeRO consolidation when made inline); ``wait``
+    before ``fd`` is closed. Off for good at the first fd or system that cannot."""
 
-    def __init__(self, fd: int, progress: Callable[[int], None]):
-        self.fd, self.progress = fd, progress
+    def __init__(self, fd: int, progress: Callable[[int], None], pool: ThreadPoolExecutor):
+        self.fd, self.progress, self.pool = fd, progress, pool
         self.pending = self.started = 0
         self.enabled = True
+        self.last: Future | None = None
 
     def __call__(self, n: int) -> None:
         self.progress(n)
@@ -39,9 +42,19 @@ class Writeback:
             try:
                 end = os.lseek(self.fd, 0, os.SEEK_CUR)
             except OSError:  # a pipe
-                end = -1
-            self.enabled = end >= 0 and start_writeback(self.fd, self.started, end - self.started)
+                self.enabled = False
+                return
+            self.last = self.pool.submit(self._start, self.started, end - self.started)
             self.started = end
+
+    def _start(self, offset: int, length: int) -> None:
+        if self.enabled:
+            self.enabled = start_writeback(self.fd, offset, length)
+
+    def wait(self) -> None:
+        """Return once every request made is done (the pool runs them in order)."""
+        if self.last is not None:
+            self.last.result()
 
 
 class Progress:
@@ -85,12 +98,21 @@ class ShardWriter:
         self.progress = progress
         self.overflow: dict[str, int] = {}
         self._cpu_caster = None
+        self._writeback_pool: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
         for caster in (self.caster, self._cpu_caster):
             if caster is not None:
                 caster.close()
+        if self._writeback_pool is not None:
+            self._writeback_pool.shutdown()
         self.reader.close()
+
+    def writeback_pool(self) -> ThreadPoolExecutor:
+        """The thread that asks the disk to start on written ranges (see Writeback)."""
+        if self._writeback_pool is None:
+            self._writeback_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamck-writeback")
+        return self._writeback_pool
 
     def get_caster(self):
         """The caster for this run, made (torch imported, buffers allocated, the device
@@ -114,33 +136,39 @@ class ShardWriter:
             self._write_torch(shard, out)
             return
         write_all(out, shard.header)
-        since_drop, progress = 0, Writeback(out, self.progress)
-        for t in shard.tensors:
-            src = t.source
-            if t.is_cast:
-                n = self.get_caster().cast(self.reader.stream(src), t.dtype, out, progress)
-                if n:
-                    self.overflow[t.name] = n
-            else:
-                self.reader.copy(src, out, progress)
-            if self.drop_cache:
-                for path in src.paths:
-                    os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
-                since_drop += t.nbytes
-                if since_drop >= _DROP_EVERY:
-                    os.fdatasync(out)  # only clean pages can be dropped
-                    os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
-                    since_drop = 0
+        since_drop, progress = 0, Writeback(out, self.progress, self.writeback_pool())
+        try:
+            for t in shard.tensors:
+                src = t.source
+                if t.is_cast:
+                    n = self.get_caster().cast(self.reader.stream(src), t.dtype, out, progress)
+                    if n:
+                        self.overflow[t.name] = n
+                else:
+                    self.reader.copy(src, out, progress)
+                if self.drop_cache:
+                    for path in src.paths:
+                        os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
+                    since_drop += t.nbytes
+                    if since_drop >= _DROP_EVERY:
+                        os.fdatasync(out)  # only clean pages can be dropped
+                        os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
+                        since_drop = 0
+        finally:
+            progress.wait()
 
     def _write_torch(self, shard: Shard, out: int) -> None:
         """A torch.save archive: every byte passes through here for its CRC-32, so even
         unchanged tensors are read into the buffer rather than copied kernel-side."""
         from streamck.writer.torchsave import stream_archive
 
-        writeback = Writeback(out, lambda n: None)  # pieces() counts progress
-        for piece in stream_archive(shard.filename, shard.entries, (self.pieces(t) for t in shard.tensors)):
-            write_all(out, piece)
-            writeback(len(piece))
+        writeback = Writeback(out, lambda n: None, self.writeback_pool())  # pieces() counts progress
+        try:
+            for piece in stream_archive(shard.filename, shard.entries, (self.pieces(t) for t in shard.tensors)):
+                write_all(out, piece)
+                writeback(len(piece))
+        finally:
+            writeback.wait()
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
         """``t``'s output bytes in bounded pieces: its source's, or cast (on the CPU)."""
