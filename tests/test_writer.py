@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -318,3 +319,31 @@ def test_writeback_starts_the_disk_on_each_written_range(tmp_path, monkeypatch):
         finally:
             os.close(r)
             os.close(w)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_writer_asks_for_writeback_of_what_it_wrote(tmp_path, monkeypatch, fmt):
+    # Small WRITEBACK_EVERY so the small fixture makes requests: they cover the file from
+    # its start, in order, never past its end, and are all done before the run returns.
+    import streamck
+    from streamck.writer import shardwriter
+
+    calls = []
+    real = shardwriter.start_writeback
+
+    def record(fd, offset, length):
+        calls.append((offset, length, os.fstat(fd).st_size))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(shardwriter, "WRITEBACK_EVERY", 4096)
+    monkeypatch.setattr(shardwriter, "start_writeback", record)
+    rng = np.random.default_rng(0)
+    tensors = {f"w{i}": rng.standard_normal((32, 128)).astype(np.float32) for i in range(4)}  # 16 KiB each
+    save(tmp_path / "src.safetensors", tensors)
+    out = tmp_path / ("out.safetensors" if fmt == "safetensors" else "out.bin")
+    streamck.rewrite(tmp_path / "src.safetensors", out)
+    assert len(calls) > 1
+    assert calls[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in pairwise(calls))
+    assert all(offset + length <= size for offset, length, size in calls)
+    assert calls[-1][0] + calls[-1][1] <= out.stat().st_size
+    assert sorted(open_checkpoint(out).tensors) == sorted(tensors)
