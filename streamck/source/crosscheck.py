@@ -38,19 +38,23 @@ def cross_check(side_root: Path, tensors: Mapping[str, TensorRef]) -> None:
     _check_rows(side_root / "config.json", tensors)
 
 
-def _load(path: Path) -> object:
+def _side_object(path: Path, not_object: str) -> dict | None:
+    """The JSON object in side file ``path``; None when there is no such file."""
+    if not path.is_file():
+        return None
     try:
-        return orjson.loads(path.read_bytes())
+        obj = orjson.loads(path.read_bytes())
     except orjson.JSONDecodeError as e:
         raise CheckpointError(f"not valid JSON ({e})", path) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(not_object, path)
+    return obj
 
 
 def _check_names(mapping: Path, tensors: Mapping[str, TensorRef]) -> None:
-    if not mapping.is_file():
+    names = _side_object(mapping, "is not an object of tensor name to file index")
+    if names is None:
         return
-    names = _load(mapping)
-    if not isinstance(names, dict):
-        raise CheckpointError("is not an object of tensor name to file index", mapping)
     missing = [repr(n) for n in names if n not in tensors]
     extra = [repr(n) for n in tensors if n not in names]
     if missing:
@@ -60,11 +64,9 @@ def _check_names(mapping: Path, tensors: Mapping[str, TensorRef]) -> None:
 
 
 def _check_rows(config_path: Path, tensors: Mapping[str, TensorRef]) -> None:
-    if not config_path.is_file():
+    config = _side_object(config_path, "is not a JSON object")
+    if config is None:
         return
-    config = _load(config_path)
-    if not isinstance(config, dict):
-        raise CheckpointError("is not a JSON object", config_path)
     for name, ref in tensors.items():
         keys = next((k for pattern, k in CONFIG_ROWS.items() if pattern.fullmatch(name)), ())
         key = next((k for k in keys if type(config.get(k)) is int), None)
