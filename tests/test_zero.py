@@ -52,6 +52,17 @@ def test_step_dir_run_root_and_casts(zero_cases, tmp_path):
             assert torch.equal(got[n], t.to(torch.bfloat16) if t.is_floating_point() else t), n
 
 
+def test_directory_output_leaves_the_recovery_scripts(zero_cases, tmp_path):
+    case = zero_cases["z3_w2_fp32"]
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(case["checkpoint"], ckpt)
+    (ckpt / "config.json").write_text("{}")
+    assert {"zero_to_fp32.py", "zero_to_torch.py"} <= {p.name for p in ckpt.iterdir()}  # DeepSpeed's copies
+    r = cli("rewrite", ckpt, "-o", tmp_path / "out", "-q")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_placeholders_beside_zero_state_read_the_zero_state(zero_cases, tmp_path):
     case = zero_cases["z3_w2_bf16"]
     ckpt = tmp_path / "checkpoint-1"

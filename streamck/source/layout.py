@@ -49,6 +49,7 @@ NOT_SIDE_FILES = (
     "random_states*",
     "trainer_state.json",
     "zero_to_fp32.py",
+    "zero_to_torch.py",  # DeepSpeed 0.19 copies both recovery scripts; this one imports the other
     "latest",
     "LATEST",
     "LATEST.txt",
