@@ -12,40 +12,57 @@ or the data flow step by step, source → plan → writer::
     write_plan(plan, "out", max_shard_size=5 * 10**9)  # bounded memory, atomic
 """
 
-from streamck.api import build_plan, diff, export_eagle4_draft, hash, ls, rewrite
-from streamck.errors import CheckpointError, DeviceError, OutputError, PlanError, StreamckError, UsageError
-from streamck.manifest import checkpoint_manifest, plan_manifest
-from streamck.plan import OutputTensor, Plan, Rule, Rules, compile_plan, eagle4_plan, load_rules
-from streamck.source import Checkpoint, TensorRef, open_checkpoint
-from streamck.writer import WriteResult, write_plan
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+# Public names and the module each lives in. They are imported on first use, so that
+# ``streamck ls`` (or ``import streamck.source``) does not pay for the writer and the
+# plans: a key-set check in CI should start in milliseconds.
+_EXPORTS = {
+    "build_plan": "streamck.api",
+    "diff": "streamck.api",
+    "export_eagle4_draft": "streamck.api",
+    "hash": "streamck.api",
+    "ls": "streamck.api",
+    "rewrite": "streamck.api",
+    "CheckpointError": "streamck.errors",
+    "DeviceError": "streamck.errors",
+    "OutputError": "streamck.errors",
+    "PlanError": "streamck.errors",
+    "StreamckError": "streamck.errors",
+    "UsageError": "streamck.errors",
+    "checkpoint_manifest": "streamck.manifest",
+    "plan_manifest": "streamck.manifest",
+    "OutputTensor": "streamck.plan",
+    "Plan": "streamck.plan",
+    "Rule": "streamck.plan",
+    "Rules": "streamck.plan",
+    "compile_plan": "streamck.plan",
+    "eagle4_plan": "streamck.plan",
+    "load_rules": "streamck.plan",
+    "Checkpoint": "streamck.source",
+    "TensorRef": "streamck.source",
+    "open_checkpoint": "streamck.source",
+    "WriteResult": "streamck.writer",
+    "write_plan": "streamck.writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'streamck' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointError",
-    "DeviceError",
-    "OutputError",
-    "OutputTensor",
-    "Plan",
-    "PlanError",
-    "Rule",
-    "Rules",
-    "StreamckError",
-    "TensorRef",
-    "UsageError",
-    "WriteResult",
-    "build_plan",
-    "checkpoint_manifest",
-    "compile_plan",
-    "diff",
-    "eagle4_plan",
-    "export_eagle4_draft",
-    "hash",
-    "load_rules",
-    "ls",
-    "open_checkpoint",
-    "plan_manifest",
-    "rewrite",
-    "write_plan",
-]
+__all__ = sorted(_EXPORTS)

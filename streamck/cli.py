@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamck import __version__, manifest
 from streamck.errors import StreamckError, UsageError
-from streamck.plan import Rule
 from streamck.source import open_checkpoint
-from streamck.writer import parse_size, write_plan
-from streamck.writer.parts import parse_part
 
 if TYPE_CHECKING:
     from streamck.check.diff import Side
@@ -44,6 +44,8 @@ class _AddRule(argparse.Action):
     """Collect every rule option into one list, keeping the order they were given in."""
 
     def __call__(self, parser, namespace, value, option_string=None):
+        from streamck.plan import Rule  # imported by the commands that take rules, not by ls
+
         namespace.rules = [*(namespace.rules or []), Rule(self.dest, value)]
 
 
@@ -126,6 +128,9 @@ def _print_plan(plan) -> None:
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
+    from streamck.writer import parse_size, write_plan
+    from streamck.writer.parts import parse_part
+
     # Argument mistakes are said before the checkpoint is indexed (a large one takes a while).
     if not args.dry_run and args.output is None:
         raise UsageError("rewrite needs -o OUT (or --dry-run)")
@@ -310,9 +315,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from streamck.writer.atomic import Interrupted, signals_as_exceptions
+class Interrupted(BaseException):
+    """A terminating signal arrived; ``code`` is the shell's exit status for it."""
 
+    def __init__(self, signum: int):
+        self.code = 128 + signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextmanager
+def signals_as_exceptions() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into Interrupted (SIGINT already raises KeyboardInterrupt),
+    so that cleanup runs on the way out. For the process's owner (the CLI's main
+    thread): the library never installs handlers."""
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    saved = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)

@@ -112,6 +112,8 @@ def test_ls_and_plain_rewrite_never_import_torch(ckpt, tmp_path):
     code = (
         "import sys; from streamck.cli import main\n"
         f"assert main(['ls', {str(ckpt)!r}, '--json']) == 0\n"
+        "late = {'streamck.writer', 'streamck.plan', 'streamck.api'} & set(sys.modules)\n"
+        "assert not late, f'ls imported {late}'\n"
         f"assert main(['rewrite', {str(ckpt)!r}, '-o', {str(tmp_path / 'o')!r}, '--strip-prefix', 'model.']) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
@@ -128,7 +130,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         seen.update(kw, out=out)
         raise SystemExit(0)
 
-    monkeypatch.setattr(cli, "write_plan", fake_rewrite)
+    monkeypatch.setattr("streamck.writer.write_plan", fake_rewrite)
     with pytest.raises(SystemExit):
         cli.main(
             [

@@ -18,7 +18,6 @@ import fnmatch
 import os
 import re
 import shutil
-import signal
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -34,31 +33,6 @@ _TMP_RE = re.compile(r"^(\..*\.streamck-)(tmp|lock)(-\d+-[0-9a-f]{8})$")
 # What an earlier export left that --force may remove (as save_pretrained removes stale shards).
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 STALE_WEIGHTS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
-
-
-class Interrupted(BaseException):
-    """A terminating signal arrived; ``code`` is the shell's exit status for it."""
-
-    def __init__(self, signum: int):
-        self.code = 128 + signum
-        super().__init__(signal.Signals(signum).name)
-
-
-@contextmanager
-def signals_as_exceptions() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into Interrupted (SIGINT already raises KeyboardInterrupt),
-    so that cleanup runs on the way out. For the process's owner (the CLI's main
-    thread): the library never installs handlers."""
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
-    saved = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
 
 
 def _try_lock(lock: Path) -> int | None:
