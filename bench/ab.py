@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from measure import PY, cp_fsync, recache, run_child  # noqa: E402
+from measure import PY, cp_fsync, precompile, recache, run_child  # noqa: E402
 
 
 def main() -> None:
@@ -42,6 +42,8 @@ def main() -> None:
         trees = {f"old ({a.rev})": old, "new (working tree)": repo}
         walls: dict[str, list[float]] = {label: [] for label in [*trees, "cp -r + sync"]}
         out = tmp / "out"
+        for tree in trees.values():
+            precompile(tree)
         recache(a.source)
         copy = (
             cp_fsync(a.source) if a.source.is_dir() else lambda o: ["sh", "-c", f'cp "{a.source}" "{o}" && sync "{o}"']

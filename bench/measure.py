@@ -102,6 +102,14 @@ def mib(n: int) -> str:
 PY = sys.executable
 
 
+def precompile(tree: Path) -> None:
+    """Byte-compile the streamck package under ``tree``, as ``pip install`` does for an
+    installed one. Where PYTHONDONTWRITEBYTECODE is set (this machine sets it), a source
+    tree is otherwise compiled again by every run: ~30 ms of a 0.7 s consolidation, paid by
+    no installed tool it is compared with."""
+    subprocess.run([PY, "-m", "compileall", "-q", str(tree / "streamck")], check=True)
+
+
 def streamck(*args: str) -> list[str]:
     return [PY, "-m", "streamck", *args]
 

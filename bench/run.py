@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import PY, contend, cp_fsync, mib, plot, run_child, streamck, table  # noqa: E402
+from measure import PY, contend, cp_fsync, mib, plot, precompile, run_child, streamck, table  # noqa: E402
 from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards  # noqa: E402
 
 from streamck.writer import parse_size  # noqa: E402
@@ -268,16 +268,16 @@ def case_index(a: argparse.Namespace, tmp: Path) -> str:
         json.loads((root / "model.safetensors.index.json").read_bytes())
 
     def floor():
-        # What any index must do, with no check at all: the headers and the index parsed by
-        # the fastest parser on the list, one reference per tensor, one dict of them, with
-        # the collector kept off them as open_checkpoint keeps it.
+        # What any index must do, with no check at all: the index and the headers parsed by
+        # the fastest parser on the list, the shard list taken from the index, one reference
+        # per tensor, one dict of them, the collector kept off them as open_checkpoint does.
         from streamck.source.header import TensorRef
 
         gc.disable()
         try:
-            orjson.loads((root / "model.safetensors.index.json").read_bytes())
+            index = orjson.loads((root / "model.safetensors.index.json").read_bytes())
             tensors = {}
-            for p in shards:
+            for p in sorted({root / name for name in set(index["weight_map"].values())}):
                 with open(p, "rb") as f:
                     (n,) = struct.unpack("<Q", f.read(8))
                     header = orjson.loads(f.read(n))
@@ -305,6 +305,7 @@ def case_index(a: argparse.Namespace, tmp: Path) -> str:
         "read + orjson.loads + a reference per tensor, no check": [],
         "streamck open_checkpoint": [],
     }
+    assert len(floor()) == len(open_checkpoint(root).tensors)  # the floor does all of the work but the checks
     contenders = (baseline, reference, floor, lambda: open_checkpoint(root))
     for _ in range(a.reps):
         for label, fn in zip(timings, contenders, strict=True):
@@ -504,6 +505,7 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md alone")
     a = p.parse_args()
     size = a.size
+    precompile(HERE.parent)
     for name in a.cases or CASES:
         a.size = size or DEFAULT_SIZE.get(name, "4GiB")
         with tempfile.TemporaryDirectory(prefix=f"streamck-bench-{name}-", dir=os.environ.get("BENCH_DIR")) as tmp:

@@ -12,10 +12,8 @@ or the data flow step by step, source → plan → writer::
     write_plan(plan, "out", max_shard_size=5 * 10**9)  # bounded memory, atomic
 """
 
-from __future__ import annotations
-
-from importlib import import_module
-from typing import Any
+from importlib import import_module as _import_module
+from typing import Any as _Any
 
 # Public names and the module each lives in. They are imported on first use, so that
 # ``streamck ls`` (or ``import streamck.source``) does not pay for the writer and the
@@ -50,17 +48,17 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'streamck' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
+    value = getattr(_import_module(module), name)
     globals()[name] = value  # once imported, a plain attribute
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*_EXPORTS, "__version__"})
 
 
 __version__ = "0.1.0"

@@ -172,7 +172,7 @@ SIDE = [
 ]  # fmt: skip
 TRAINING = [
     "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "trainer_state.json", "training_args.bin", "zero_to_fp32.py",
-    "__0_0.distcp", "tf_model.h5", ".gitattributes",
+    "zero_to_torch.py", "__0_0.distcp", "tf_model.h5", ".gitattributes",
 ]  # fmt: skip
 
 
