@@ -277,7 +277,7 @@ def case_index(a: argparse.Namespace, tmp: Path) -> str:
         try:
             index = orjson.loads((root / "model.safetensors.index.json").read_bytes())
             tensors = {}
-            for p in sorted({root / name for name in set(index["weight_map"].values())}):
+            for p in [root / name for name in sorted(set(index["weight_map"].values()))]:
                 with open(p, "rb") as f:
                     (n,) = struct.unpack("<Q", f.read(8))
                     header = orjson.loads(f.read(n))

@@ -15,41 +15,22 @@ or the data flow step by step, source → plan → writer::
 from importlib import import_module as _import_module
 from typing import Any as _Any
 
-# Public names and the module each lives in. They are imported on first use, so that
+# The public names, by the module each lives in. They are imported on first use, so that
 # ``streamck ls`` (or ``import streamck.source``) does not pay for the writer and the
 # plans: a key-set check in CI should start in milliseconds.
 _EXPORTS = {
-    "build_plan": "streamck.api",
-    "diff": "streamck.api",
-    "export_eagle4_draft": "streamck.api",
-    "hash": "streamck.api",
-    "ls": "streamck.api",
-    "rewrite": "streamck.api",
-    "CheckpointError": "streamck.errors",
-    "DeviceError": "streamck.errors",
-    "OutputError": "streamck.errors",
-    "PlanError": "streamck.errors",
-    "StreamckError": "streamck.errors",
-    "UsageError": "streamck.errors",
-    "checkpoint_manifest": "streamck.manifest",
-    "plan_manifest": "streamck.manifest",
-    "OutputTensor": "streamck.plan",
-    "Plan": "streamck.plan",
-    "Rule": "streamck.plan",
-    "Rules": "streamck.plan",
-    "compile_plan": "streamck.plan",
-    "eagle4_plan": "streamck.plan",
-    "load_rules": "streamck.plan",
-    "Checkpoint": "streamck.source",
-    "TensorRef": "streamck.source",
-    "open_checkpoint": "streamck.source",
-    "WriteResult": "streamck.writer",
-    "write_plan": "streamck.writer",
+    "streamck.api": ("build_plan", "diff", "export_eagle4_draft", "hash", "ls", "rewrite"),
+    "streamck.errors": ("CheckpointError", "DeviceError", "OutputError", "PlanError", "StreamckError", "UsageError"),
+    "streamck.manifest": ("checkpoint_manifest", "plan_manifest"),
+    "streamck.plan": ("OutputTensor", "Plan", "Rule", "Rules", "compile_plan", "eagle4_plan", "load_rules"),
+    "streamck.source": ("Checkpoint", "TensorRef", "open_checkpoint"),
+    "streamck.writer": ("WriteResult", "write_plan"),
 }
+_MODULE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
 def __getattr__(name: str) -> _Any:
-    module = _EXPORTS.get(name)
+    module = _MODULE.get(name)
     if module is None:
         raise AttributeError(f"module 'streamck' has no attribute {name!r}")
     value = getattr(_import_module(module), name)
@@ -58,9 +39,9 @@ def __getattr__(name: str) -> _Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*_EXPORTS, "__version__"})
+    return sorted({*_MODULE, "__version__"})
 
 
 __version__ = "0.1.0"
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_MODULE)

@@ -15,7 +15,7 @@ def test_every_public_name_resolves_to_its_module_s_object():
     import importlib
 
     for name in streamck.__all__:
-        assert getattr(streamck, name) is getattr(importlib.import_module(streamck._EXPORTS[name]), name), name
+        assert getattr(streamck, name) is getattr(importlib.import_module(streamck._MODULE[name]), name), name
     assert set(dir(streamck)) >= set(streamck.__all__)
     with pytest.raises(AttributeError, match="no_such_name"):
         streamck.no_such_name  # noqa: B018
