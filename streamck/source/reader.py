@@ -14,6 +14,7 @@ tensor or a mapping of its storage.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,7 +55,7 @@ class Reader:
     def __init__(self, chunk: int = CHUNK, copy_mode: str | None = None, copy_chunk: int = COPY_CHUNK):
         self.chunk, self.copy_chunk = chunk, copy_chunk
         self._fds: dict[Path, int] = {}
-        self._buffer: bytearray | None = None
+        self._buffer: mmap.mmap | None = None
         self._spare = bytearray()
         self._mode = copy_mode or next(m for m in COPY_MODES if m == "buffer" or hasattr(os, m))
 
@@ -136,9 +137,12 @@ class Reader:
         if used:
             flush()
 
-    def _scratch(self) -> bytearray:
+    def _scratch(self) -> mmap.mmap:
         if self._buffer is None:
-            self._buffer = bytearray(self.chunk)
+            # An anonymous mapping rather than a bytearray (which is zero-filled): a page
+            # costs memory only once written, so gathering a few small tensors does not make
+            # the whole chunk resident.
+            self._buffer = mmap.mmap(-1, self.chunk)
         return self._buffer
 
     def scratch(self, n: int) -> memoryview:
