@@ -21,6 +21,15 @@ def test_every_public_name_resolves_to_its_module_s_object():
         streamck.no_such_name  # noqa: B018
 
 
+def test_the_type_stub_lists_the_same_names_from_the_same_modules():
+    import ast
+    from pathlib import Path
+
+    stub = ast.parse((Path(streamck.__file__).parent / "__init__.pyi").read_text())
+    listed = {a.asname: n.module for n in stub.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert listed == streamck._MODULE
+
+
 def test_docstring_examples_run():
     failed, tried = doctest.testmod(streamck.api, optionflags=doctest.ELLIPSIS)
     assert tried >= 8 and failed == 0
