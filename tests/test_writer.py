@@ -12,7 +12,7 @@ from helpers import llama_like, metadata_of, raw_file, read_all, save, save_shar
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from streamck import OutputError, Rule, Rules, compile_plan, open_checkpoint, write_plan
+from streamck import OutputError, Rule, Rules, UsageError, compile_plan, open_checkpoint, write_plan
 from streamck.writer import parse_size
 
 STRIP = Rules((Rule("strip_prefix", "model."),))
@@ -20,6 +20,13 @@ STRIP = Rules((Rule("strip_prefix", "model."),))
 
 def run(src, out, rules=None, **kw):
     return write_plan(compile_plan(open_checkpoint(src), rules), out, **kw)
+
+
+def test_a_chunk_below_one_byte_is_refused_before_any_file(tmp_path):
+    src = save(tmp_path / "s.safetensors", {"a": np.ones(3)})
+    with pytest.raises(UsageError, match="chunk 0"):
+        run(src, tmp_path / "o.safetensors", chunk=0)
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_identical_to_reference_writer(tmp_path):

@@ -142,7 +142,7 @@ class Reader:
             # An anonymous mapping rather than a bytearray (which is zero-filled): a page
             # costs memory only once written, so gathering a few small tensors does not make
             # the whole chunk resident.
-            self._buffer = mmap.mmap(-1, self.chunk)
+            self._buffer = mmap.mmap(-1, self.chunk, flags=mmap.MAP_PRIVATE)
         return self._buffer
 
     def scratch(self, n: int) -> memoryview:

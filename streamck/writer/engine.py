@@ -100,6 +100,8 @@ def write_plan(
         raise UsageError(f"--header-align {header_align}: must be a positive multiple of 8")
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: must be at least 1")
+    if chunk < 1:
+        raise UsageError(f"chunk {chunk}: must be at least one byte")
     if jobs > 1 and device not in (None, "cpu"):
         raise UsageError(f"--jobs {jobs} with --device {device}: one device pipeline runs at a time")
     if os.fspath(out) == "-":
