@@ -45,9 +45,7 @@ def main() -> None:
         for tree in trees.values():
             precompile(tree)
         recache(a.source)
-        copy = (
-            cp_fsync(a.source) if a.source.is_dir() else lambda o: ["sh", "-c", f'cp "{a.source}" "{o}" && sync "{o}"']
-        )
+        copy = cp_fsync(a.source)
         for rep in range(a.reps):
             for label, tree in trees.items():
                 # -P: the working directory must not put the new code ahead of PYTHONPATH

@@ -115,7 +115,10 @@ def streamck(*args: str) -> list[str]:
 
 
 def cp_fsync(src: Path) -> Callable[[Path], list[str]]:
-    return lambda out: ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*']
+    """The yardstick: ``cp`` (``-r`` for a directory) of ``src``, then fsync of what it wrote."""
+    if src.is_dir():
+        return lambda out: ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*']
+    return lambda out: ["sh", "-c", f'cp "{src}" "{out}" && sync "{out}"']
 
 
 def recache(*paths: Path) -> None:

@@ -169,7 +169,7 @@ def case_bin(a: argparse.Namespace, tmp: Path) -> str:
     data = src.stat().st_size
     out = tmp / "out.safetensors"
     contenders = {
-        "cp + sync": lambda o: ["sh", "-c", f'cp "{src}" "{o}" && sync "{o}"'],
+        "cp + sync": cp_fsync(src),
         "torch.load + save_file": lambda o: [PY, str(HERE / "naive_bin.py"), str(src), str(o)],
         "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
     }
@@ -191,7 +191,7 @@ def case_view(a: argparse.Namespace, tmp: Path) -> str:
     os.sync()
     data = src.stat().st_size
     contenders = {
-        "cp + sync": lambda o: ["sh", "-c", f'cp "{src}" "{o}" && sync "{o}"'],
+        "cp + sync": cp_fsync(src),
         "torch.load + save_file": lambda o: [PY, str(HERE / "naive_bin.py"), str(src), str(o)],
         "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
         "streamck rewrite --dtype bf16": lambda o: streamck("rewrite", str(src), "-o", str(o), "--dtype", "bf16", "-q"),
@@ -211,7 +211,7 @@ def case_eagle4(a: argparse.Namespace, tmp: Path) -> str:
     weights = src / "model" / "consolidated"
     data = sum(p.stat().st_size for p in weights.iterdir())
     contenders = {
-        "cp -r + sync": lambda o: ["sh", "-c", f'cp -r "{weights}" "{o}" && sync "{o}"/*'],
+        "cp -r + sync": cp_fsync(weights),
         "streamck --plan eagle4": lambda o: streamck("rewrite", str(src), "-o", str(o), "--plan", "eagle4", "-q"),
     }
     runs = contend(contenders, tmp / "out", a.reps, a.settle, (weights,))

@@ -308,20 +308,19 @@ def test_writeback_starts_the_disk_on_each_written_range(tmp_path, monkeypatch):
     monkeypatch.setattr(shardwriter, "start_writeback", lambda fd, off, n: calls.append((off, n)) or real(fd, off, n))
     with ThreadPoolExecutor(1) as pool:
         with open(tmp_path / "f", "wb") as f:
-            writeback = shardwriter.Writeback(f.fileno(), seen.append, pool)
-            for _ in range(5):
-                os.write(f.fileno(), bytes(3000))
-                writeback(3000)
-            writeback.wait()  # the requests run on the pool's thread; all done before the fd closes
+            # The requests run on the pool's thread; leaving the block waits for them all.
+            with shardwriter.Writeback(f.fileno(), seen.append, pool) as writeback:
+                for _ in range(5):
+                    os.write(f.fileno(), bytes(3000))
+                    writeback(3000)
         assert seen == [3000] * 5  # progress still counts every piece
         assert calls == [(0, 6000), (6000, 6000)]  # each range once, in order, never past what was written
         assert writeback.enabled is (sys.platform == "linux")
         r, w = os.pipe()
         try:
-            writeback = shardwriter.Writeback(w, seen.append, pool)
-            os.write(w, bytes(5000))
-            writeback(5000)
-            writeback.wait()
+            with shardwriter.Writeback(w, seen.append, pool) as writeback:
+                os.write(w, bytes(5000))
+                writeback(5000)
             assert not writeback.enabled  # a pipe (-o -): no writeback, no error
         finally:
             os.close(r)

@@ -75,6 +75,11 @@ class Checkpoint:
                 raise CheckpointError("source file changed during the run", path)
 
 
+def _also_in(name: str, tensors: dict[str, TensorRef], shard: Path) -> CheckpointError:
+    """``shard`` holds ``name`` again, after the shard it was first read from."""
+    return CheckpointError(f"tensor {name!r} is also in {tensors[name].path.name}", shard)
+
+
 def _map_error(
     layout: Layout, tensors: dict[str, TensorRef], shard: Path | None = None, names: list[str] = ()
 ) -> CheckpointError:
@@ -87,7 +92,7 @@ def _map_error(
             return CheckpointError(f"shard tensors missing from weight_map: {shown}", layout.index)
         name = next(n for n in names if layout.weight_map[n] not in layout.spellings[shard])
         if name in tensors:
-            return CheckpointError(f"tensor {name!r} is also in {tensors[name].path.name}", shard)
+            return _also_in(name, tensors, shard)
         return CheckpointError(
             f"weight_map puts {name!r} in {layout.weight_map[name]}, but it is in {shard.relative_to(layout.root)}",
             layout.index,
@@ -218,7 +223,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False) -> Checkpo
         if layout.weight_map is None:
             if not tensors.keys().isdisjoint(names):
                 name = next(n for n in names if n in tensors)
-                raise CheckpointError(f"tensor {name!r} is also in {tensors[name].path.name}", shard)
+                raise _also_in(name, tensors, shard)
         # Each of this shard's tensors is mapped to this shard (one C-level pass), so
         # none is in another shard too...
         elif not set(map(layout.weight_map.get, names)) <= layout.spellings[shard]:

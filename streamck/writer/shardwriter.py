@@ -25,8 +25,9 @@ class Writeback:
     written to ``fd``, so that copying and the disk's work overlap and the closing fsync
     finds little left (``cp`` then ``sync`` does them in turn: on 1 GiB here, the fsync
     was half the time). The requests go to ``pool``'s thread, since one blocks while the
-    disk's queue is full (0.2 s of a 1 s ZeRO consolidation when made inline); ``wait``
-    before ``fd`` is closed. Off for good at the first fd or system that cannot."""
+    disk's queue is full (0.2 s of a 1 s ZeRO consolidation when made inline). Use it as a
+    context manager around the writes: leaving waits for every request, before ``fd`` is
+    closed. Off for good at the first fd or system that cannot."""
 
     def __init__(self, fd: int, progress: Callable[[int], None], pool: ThreadPoolExecutor):
         self.fd, self.progress, self.pool = fd, progress, pool
@@ -51,9 +52,11 @@ class Writeback:
         if self.enabled:
             self.enabled = start_writeback(self.fd, offset, length)
 
-    def wait(self) -> None:
-        """Return once every request made is done (the pool runs them in order)."""
-        if self.last is not None:
+    def __enter__(self) -> Writeback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.last is not None:  # the pool runs them in order: the last done, all done
             self.last.result()
 
 
@@ -136,8 +139,8 @@ class ShardWriter:
             self._write_torch(shard, out)
             return
         write_all(out, shard.header)
-        since_drop, progress = 0, Writeback(out, self.progress, self.writeback_pool())
-        try:
+        since_drop = 0
+        with Writeback(out, self.progress, self.writeback_pool()) as progress:
             for t in shard.tensors:
                 src = t.source
                 if t.is_cast:
@@ -154,21 +157,17 @@ class ShardWriter:
                         os.fdatasync(out)  # only clean pages can be dropped
                         os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
                         since_drop = 0
-        finally:
-            progress.wait()
 
     def _write_torch(self, shard: Shard, out: int) -> None:
         """A torch.save archive: every byte passes through here for its CRC-32, so even
         unchanged tensors are read into the buffer rather than copied kernel-side."""
         from streamck.writer.torchsave import stream_archive
 
-        writeback = Writeback(out, lambda n: None, self.writeback_pool())  # pieces() counts progress
-        try:
-            for piece in stream_archive(shard.filename, shard.entries, (self.pieces(t) for t in shard.tensors)):
+        pieces = stream_archive(shard.filename, shard.entries, (self.pieces(t) for t in shard.tensors))
+        with Writeback(out, lambda n: None, self.writeback_pool()) as writeback:  # pieces() counts progress
+            for piece in pieces:
                 write_all(out, piece)
                 writeback(len(piece))
-        finally:
-            writeback.wait()
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
         """``t``'s output bytes in bounded pieces: its source's, or cast (on the CPU)."""
