@@ -26,9 +26,9 @@ Source = str | os.PathLike | Checkpoint
 
 
 def _checkpoint(
-    source: Source, step: str | int | None = None, key: str | None = None, zero: bool = False
+    source: Source, step: str | int | None = None, key: str | None = None, zero: bool = False, keep_tied: bool = False
 ) -> Checkpoint:
-    return source if isinstance(source, Checkpoint) else open_checkpoint(source, step, key, zero)
+    return source if isinstance(source, Checkpoint) else open_checkpoint(source, step, key, zero, keep_tied)
 
 
 def build_plan(
@@ -41,6 +41,7 @@ def build_plan(
     step: str | int | None = None,
     key: str | None = None,
     zero: bool = False,
+    keep_tied: bool = False,
     copy_files: bool = True,
     verifier: str | None = None,
 ) -> Plan:
@@ -56,8 +57,8 @@ def build_plan(
     if plan is not None and os.fspath(plan) in BUILTIN_PLANS:
         if isinstance(source, Checkpoint):
             raise UsageError(f"plan {plan!r} opens its own source: pass a path, not a Checkpoint")
-        if key is not None or zero:
-            raise UsageError(f"--key and --zero do not apply to --plan {plan}, which reads safetensors")
+        if key is not None or zero or keep_tied:
+            raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {plan}, which reads safetensors")
         path = pick_step(Path(source), step) if step is not None else source
         extra = {"verifier": verifier} if verifier is not None else {}
         if extra and os.fspath(plan) not in VERIFIER_PLANS:
@@ -66,7 +67,7 @@ def build_plan(
     if verifier is not None:
         raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
-    return compile_plan(_checkpoint(source, step, key, zero), base + given, copy_files=copy_files)
+    return compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
 
 
 def rewrite(
@@ -80,6 +81,7 @@ def rewrite(
     step: str | int | None = None,
     key: str | None = None,
     zero: bool = False,
+    keep_tied: bool = False,
     copy_files: bool = True,
     max_shard_size: int | str | None = None,
     format: str | None = None,
@@ -99,8 +101,8 @@ def rewrite(
     plan file whose rules run first; ``dtype`` casts every float tensor and ``casts``
     maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
     size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
-    ``.pth`` output name does too); ``key``/``zero`` choose what a torch pickle or a
-    DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the target model
+    ``.pth`` output name does too); ``key``/``zero``/``keep_tied`` choose what a torch
+    pickle or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the target model
     named in ``plan="eagle3-speculators"``'s config; ``jobs`` writes that many shards at
     once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
     Memory stays near one chunk (per job).
@@ -124,6 +126,7 @@ def rewrite(
         step=step,
         key=key,
         zero=zero,
+        keep_tied=keep_tied,
         copy_files=copy_files,
         verifier=verifier,
     )
@@ -143,7 +146,14 @@ def rewrite(
     )
 
 
-def ls(source: Source, *, step: str | int | None = None, key: str | None = None, zero: bool = False) -> dict[str, Any]:
+def ls(
+    source: Source,
+    *,
+    step: str | int | None = None,
+    key: str | None = None,
+    zero: bool = False,
+    keep_tied: bool = False,
+) -> dict[str, Any]:
     """The manifest of ``source`` (``streamck ls --json``): every tensor's dtype and shape,
     the metadata and the total size, from headers alone.
 
@@ -155,7 +165,7 @@ def ls(source: Source, *, step: str | int | None = None, key: str | None = None,
     """
     from streamck.manifest import checkpoint_manifest
 
-    return checkpoint_manifest(_checkpoint(source, step, key, zero))
+    return checkpoint_manifest(_checkpoint(source, step, key, zero, keep_tied))
 
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = (), data: bool = False) -> DiffResult:
@@ -175,7 +185,12 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = 
 
 
 def hash(
-    source: Source, *, step: str | int | None = None, key: str | None = None, zero: bool = False
+    source: Source,
+    *,
+    step: str | int | None = None,
+    key: str | None = None,
+    zero: bool = False,
+    keep_tied: bool = False,
 ) -> dict[str, Any]:
     """The manifest of ``source`` with the sha256 of every tensor's bytes (``streamck hash
     --json``), read in bounded pieces.
@@ -188,7 +203,7 @@ def hash(
     """
     from streamck.check.digest import hash_manifest
 
-    return hash_manifest(_checkpoint(source, step, key, zero))
+    return hash_manifest(_checkpoint(source, step, key, zero, keep_tied))
 
 
 def export_eagle4_draft(

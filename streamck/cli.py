@@ -64,8 +64,9 @@ def _note(ckpt: Checkpoint) -> Checkpoint:
 
 
 def _open(args: argparse.Namespace, src: str | os.PathLike | None = None) -> Checkpoint:
-    """The command's source, opened with its --step, --key and --zero."""
-    return _note(open_checkpoint(args.src if src is None else src, getattr(args, "step", None), args.key, args.zero))
+    """The command's source, opened with its --step, --key, --zero and --keep-tied."""
+    path = args.src if src is None else src
+    return _note(open_checkpoint(path, getattr(args, "step", None), args.key, args.zero, args.keep_tied))
 
 
 def _files(t, root: Path) -> str:
@@ -104,6 +105,7 @@ def _compile(args: argparse.Namespace):
         step=args.step,
         key=args.key,
         zero=args.zero,
+        keep_tied=args.keep_tied,
         copy_files=not args.no_copy_files,
         verifier=args.verifier,
     )
@@ -177,7 +179,9 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from streamck.check import diff
 
-    result = diff(_side(args.a, args), _side(args.b, args), ignore=tuple(args.ignore or ()), data=args.data)
+    a = _side(args.a, args, args.zero in ("a", "both"))
+    b = _side(args.b, args, args.zero in ("b", "both"))
+    result = diff(a, b, ignore=tuple(args.ignore or ()), data=args.data)
     args.status = 0 if result.equal else 1  # the answer, even if stdout closes (diff A B | head)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
@@ -186,11 +190,11 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return args.status
 
 
-def _side(path: str, args: argparse.Namespace) -> Side:
+def _side(path: str, args: argparse.Namespace, zero: bool) -> Side:
     """One side of ``diff``, its notices on stderr."""
     from streamck.check.diff import load_side
 
-    side = load_side(path, key=args.key, zero=args.zero)
+    side = load_side(path, key=args.key, zero=zero, keep_tied=args.keep_tied)
     if side.checkpoint is not None:
         _note(side.checkpoint)
     return side
@@ -208,12 +212,21 @@ def _cmd_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-def _source_options(parser: argparse.ArgumentParser, step: bool = True) -> None:
-    if step:
+def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None:
+    if not diff:
         parser.add_argument("--step", help="in a training run root: a step number, or latest")
     parser.add_argument("--key", help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict)")
+    zero = "read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
+    if diff:
+        parser.add_argument(
+            "--zero", nargs="?", const="both", choices=("a", "b", "both"), help=f"{zero}: on side a, b or both"
+        )
+    else:
+        parser.add_argument("--zero", action="store_true", help=zero)
     parser.add_argument(
-        "--zero", action="store_true", help="read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
+        "--keep-tied",
+        action="store_true",
+        help="from ZeRO state: write tied aliases (lm_head.weight) under every name, even where config.json ties them",
     )
 
 
@@ -303,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
     df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
     df.add_argument("--json", action="store_true", help="print the result as JSON")
-    _source_options(df, step=False)
+    _source_options(df, diff=True)
     df.set_defaults(func=_cmd_diff)
 
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")

@@ -23,3 +23,14 @@ def zero_cases(request, tmp_path_factory) -> dict[str, dict]:
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir("streamck-zero")) if cache is not None else tmp_path_factory.mktemp("zero")
     return {c["name"]: c for c in zero_fixtures.make_zero_checkpoints(root)}
+
+
+@pytest.fixture(scope="session")
+def trainer_cases(request, tmp_path_factory) -> dict[str, dict]:
+    """Checkpoints written by HF Trainer + DeepSpeed under torchrun (tests/trainer_fixtures.py),
+    made once and kept in pytest's cache between sessions."""
+    import trainer_fixtures
+
+    cache = getattr(request.config, "cache", None)
+    root = Path(cache.mkdir("streamck-trainer")) if cache is not None else tmp_path_factory.mktemp("trainer")
+    return trainer_fixtures.make_trainer_checkpoints(root)

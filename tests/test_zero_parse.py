@@ -59,7 +59,7 @@ def test_matches_zero_to_fp32(zero_cases, name):
     step = find_zero(case["checkpoint"])
     assert step == case["step_dir"]
     assert find_zero(case["step_dir"]) == case["step_dir"]
-    entries, notices = read_zero(step)
+    entries, _, notices = read_zero(step)
     oracle = torch.load(case["oracle"], weights_only=True)
     module = torch.load(case["module"], weights_only=True)
     trained = torch.load(case["trained"], weights_only=True)

@@ -33,9 +33,9 @@ class Side:
         return self.manifest["tensors"]
 
 
-def load_side(path: str | os.PathLike, *, key: str | None = None, zero: bool = False) -> Side:
-    """A checkpoint in any layout ``ls`` accepts (opened with ``key`` and ``zero``, see
-    open_checkpoint), or a manifest JSON file."""
+def load_side(path: str | os.PathLike, *, key: str | None = None, zero: bool = False, keep_tied: bool = False) -> Side:
+    """A checkpoint in any layout ``ls`` accepts (opened with ``key``, ``zero`` and
+    ``keep_tied``, see open_checkpoint), or a manifest JSON file."""
     path = Path(path)
     if path.is_file() and path.suffix == ".json":
         try:
@@ -48,7 +48,7 @@ def load_side(path: str | os.PathLike, *, key: str | None = None, zero: bool = F
             path = path.parent
         else:
             raise StreamckError("is JSON but not a manifest (no 'tensors' object)", path)
-    ckpt = open_checkpoint(path, key=key, zero=zero)
+    ckpt = open_checkpoint(path, key=key, zero=zero, keep_tied=keep_tied)
     return Side(str(path), checkpoint_manifest(ckpt), ckpt)
 
 

@@ -41,7 +41,8 @@ class Checkpoint:
     single file); ``files`` maps each shard to the stamp taken when it was indexed;
     ``notices`` are lines a user should see (items skipped as not tensors, the sub-dict
     of a torch pickle read): the library never prints them;
-    ``side_root`` holds the config and tokenizer files (``root`` when None).
+    ``side_root`` holds the config and tokenizer files (``root`` when None);
+    ``aliases`` are tied names (alias → the name it ties to) written under both names.
     """
 
     path: Path
@@ -51,6 +52,7 @@ class Checkpoint:
     files: dict[Path, FileStamp] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
     side_root: Path | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_size(self) -> int:
@@ -105,7 +107,11 @@ def _map_error(
 
 
 def open_checkpoint(
-    path: str | os.PathLike, step: str | int | None = None, key: str | None = None, zero: bool = False
+    path: str | os.PathLike,
+    step: str | int | None = None,
+    key: str | None = None,
+    zero: bool = False,
+    keep_tied: bool = False,
 ) -> Checkpoint:
     """Index the checkpoint at ``path`` from its headers, without reading tensor data.
 
@@ -119,7 +125,10 @@ def open_checkpoint(
     DCP checkpoints (sharded safetensors, ``.distcp``), Automodel steps and DeepSpeed
     ZeRO checkpoints (``checkpoint-N/``, ``global_stepN/``) are consolidated on the fly.
     Where a weights file and ZeRO state are both there, the weights are read unless
-    ``zero`` (or unless they are the size-0 placeholders ZeRO-3 leaves).
+    ``zero``, or unless the file holds no tensors or size-0 placeholders (ZeRO-3's): then
+    every tensor comes from the ZeRO state. A ZeRO checkpoint whose ``config.json`` says
+    ``tie_word_embeddings`` leaves its tied aliases out, as ``save_pretrained`` does,
+    unless ``keep_tied``.
     Raises CheckpointError for anything malformed.
     """
     path = Path(path)
@@ -127,7 +136,7 @@ def open_checkpoint(
         path = pick_step(path, step)
     with _gc_paused():
         try:
-            return _index(path, key, zero)
+            return _index(path, key, zero, keep_tied)
         except OSError as e:  # stat or open of a path we may not enter or read
             raise CheckpointError(f"cannot read: {e.strerror}", e.filename or path) from None
 
@@ -202,12 +211,12 @@ def _tiled(entries: dict, root: Path) -> tuple[dict[str, TensorRef], list[Path]]
 _name = itemgetter(0)  # TensorRef.name, at C speed
 
 
-def _index(path: Path, select: str | None = None, zero: bool = False) -> Checkpoint:
+def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied: bool = False) -> Checkpoint:
     layout = find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
-        return _index_zero(path, layout.zero or layout.root, layout.side_root or layout.root)
+        return _index_zero(path, layout.zero or layout.root, layout.side_root or layout.root, keep_tied)
     if zero:
-        raise CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
+        raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind != "files":
         return _index_distributed(path, layout)
     tensors: dict[str, TensorRef] = {}
@@ -232,21 +241,98 @@ def _index(path: Path, select: str | None = None, zero: bool = False) -> Checkpo
     # ...and the map names nothing else: then it is exact.
     if layout.weight_map is not None and len(layout.weight_map) != len(tensors):
         raise _map_error(layout, tensors)
+    if layout.zero_unclear is not None and (not tensors or not all(t.numel for t in tensors.values())):
+        raise layout.zero_unclear  # placeholders, and the ZeRO state to read instead is a guess
     if layout.zero is not None:
-        rel = layout.zero.relative_to(layout.root) if layout.zero.is_relative_to(layout.root) else layout.zero
-        if tensors and not any(t.numel for t in tensors.values()):
-            found = _index_zero(path, layout.zero, layout.root)
-            found.notices.insert(0, f"the weights file holds size-0 placeholders: reading the ZeRO state in {rel}")
+        empty = [n for n, t in tensors.items() if not t.numel]
+        found = _placeholders(path, layout, tensors, empty, keep_tied) if not tensors or empty else None
+        if found is not None:
             return found
+        rel = _rel(layout.zero, layout.root)
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
     return Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
 
 
-def _index_zero(path: Path, step_dir: Path, side_root: Path) -> Checkpoint:
+def _rel(path: Path, root: Path) -> Path:
+    return path.relative_to(root) if path.is_relative_to(root) else path
+
+
+def _placeholders(
+    path: Path, layout: Layout, tensors: dict[str, TensorRef], empty: list[str], keep_tied: bool
+) -> Checkpoint | None:
+    """The ZeRO state, for a weights file beside it that holds no tensors, or size-0 tensors
+    where the ZeRO state holds the parameter with elements: placeholders (what rank 0's
+    ``save_pretrained`` writes under ZeRO-3 for every parameter above
+    ``stage3_param_persistence_threshold``). Every tensor then comes from the ZeRO state,
+    never a mix of the two. None when the size-0 tensors are parameters with no elements."""
+    found = _index_zero(path, layout.zero, layout.root, keep_tied=True)
+    what = layout.index or layout.shards[0]
+    rel = _rel(layout.zero, layout.root)
+    if not tensors:
+        found.notices.insert(0, f"{what.name} holds no tensors: reading every tensor from the ZeRO state in {rel}")
+        return _untie(found, keep_tied)
+    unknown = [n for n in empty if n not in found.tensors]
+    if unknown:
+        shown = listing([repr(n) for n in unknown], 3)
+        raise CheckpointError(
+            f"size-0 tensors {shown} are not in the ZeRO state in {rel}: not ZeRO-3 placeholders, "
+            "and not the model (pass --zero to read the ZeRO state alone)",
+            what,
+        )
+    held = [n for n in empty if found.tensors[n].numel]
+    if not held:
+        return None
+    found.notices.insert(
+        0,
+        f"{what.name} holds {len(held)} size-0 placeholders ({listing(held, 3)}; ZeRO-3 saves them so): "
+        f"reading every tensor from the ZeRO state in {rel}",
+    )
+    return _untie(found, keep_tied)
+
+
+def _index_zero(path: Path, step_dir: Path, side_root: Path, keep_tied: bool = False) -> Checkpoint:
     """A DeepSpeed ZeRO checkpoint: every parameter's fp32 master weights, its fragments
-    (one per rank file) as tiles over its flattened elements."""
+    (one per rank file) as tiles over its flattened elements; tied aliases as _untie says."""
     from streamck.source.zero import read_zero
 
-    entries, notices = read_zero(step_dir)
+    entries, aliases, notices = read_zero(step_dir)
+    if step_dir != side_root and not (step_dir.parent / "latest").exists():
+        notices.insert(0, f"no 'latest' file in {step_dir.parent.name}: reading its one ZeRO step, {step_dir.name}")
     tensors, paths = _tiled(entries, step_dir)
-    return Checkpoint(path, step_dir, tensors, {}, {p: FileStamp.of(p) for p in paths}, notices, side_root)
+    found = Checkpoint(path, step_dir, tensors, {}, {p: FileStamp.of(p) for p in paths}, notices, side_root)
+    found.aliases = aliases
+    return found if keep_tied else _untie(found)
+
+
+def _untie(ckpt: Checkpoint, keep_tied: bool = False) -> Checkpoint:
+    """Leave out the tied aliases of a ZeRO checkpoint (``lm_head.weight`` of
+    ``model.embed_tokens.weight``) when its ``config.json`` says ``tie_word_embeddings``,
+    as ``save_pretrained`` leaves them out (transformers ties them again on load)."""
+    if keep_tied or not ckpt.aliases or not _ties_embeddings(ckpt.side_root or ckpt.root):
+        return ckpt
+    for alias in ckpt.aliases:
+        ckpt.tensors.pop(alias, None)
+    pairs = listing([f"{a} (= {t})" for a, t in ckpt.aliases.items()], 3)
+    ckpt.notices.append(
+        f"tied {pairs} left out, as save_pretrained writes it (tie_word_embeddings in config.json); "
+        "--keep-tied writes every name"
+    )
+    ckpt.aliases = {}
+    return ckpt
+
+
+def _ties_embeddings(root: Path) -> bool:
+    """Whether ``root/config.json`` says ``tie_word_embeddings: true`` (at the top or in
+    ``text_config``); False when there is no such config."""
+    import orjson
+
+    try:
+        config = orjson.loads((root / "config.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    text = config.get("text_config")
+    return config.get("tie_word_embeddings") is True or (
+        isinstance(text, dict) and text.get("tie_word_embeddings") is True
+    )

@@ -71,7 +71,9 @@ class Layout:
     tensor whole in one file), ``dcp`` (torch DCP sharded safetensors), ``distcp``
     (native DCP) or ``zero`` (DeepSpeed ZeRO state, ``root`` its ``global_stepN``).
     ``side_root`` holds the config and tokenizer files; ``zero`` is set when ZeRO state
-    sits beside a weights file (a Trainer ``checkpoint-N/``), for the index to choose.
+    sits beside a weights file (a Trainer ``checkpoint-N/``), for the index to choose, and
+    ``zero_unclear`` says why it is not when that is a guess (several step folders, no
+    ``latest``), raised only if the ZeRO state is needed.
     """
 
     root: Path
@@ -82,6 +84,7 @@ class Layout:
     kind: str = "files"
     side_root: Path | None = None
     zero: Path | None = None
+    zero_unclear: CheckpointError | None = None
 
 
 def _load_index(index_path: Path) -> dict[str, str]:
@@ -251,18 +254,24 @@ def hub_snapshot(path: Path) -> Path:
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     path = hub_snapshot(path)
+    from streamck.source.zero import find_zero, rank_file_error
+
     if path.is_file():
         if path.name in INDEX_NAMES:
             return find_layout(path.parent)
+        refused = rank_file_error(path)
+        if refused:
+            raise refused
         return Layout(path.parent, [path])
     if not path.is_dir():
         raise CheckpointError("no such file or directory", path)
-    from streamck.source.zero import find_zero
-
-    zero = find_zero(path)
+    try:
+        zero, unclear = find_zero(path), None
+    except CheckpointError as e:
+        zero, unclear = None, e
     for name in INDEX_NAMES:
         if (path / name).is_file():
-            return replace(_from_index(path, path / name), zero=zero)
+            return replace(_from_index(path, path / name), zero=zero, zero_unclear=unclear)
     found = _distributed(path)
     if found is not None:
         side = path / HF_METADATA.name  # the model/ folder of an Automodel step
@@ -270,9 +279,11 @@ def find_layout(path: Path) -> Layout:
     for pattern in SHARD_GLOBS:
         shards = sorted(p for p in path.glob(pattern) if p.is_file())
         if shards:
-            return Layout(path, shards, zero=zero)
+            return Layout(path, shards, zero=zero, zero_unclear=unclear)
     if zero is not None:
         return Layout(zero, [], kind="zero", side_root=path)
+    if unclear is not None:
+        raise unclear
     step = _automodel_step(path) if (path / "model").is_dir() else None
     if step is not None:
         return step

@@ -36,10 +36,11 @@ from typing import NamedTuple
 from streamck.errors import CheckpointError, listing
 from streamck.source.runs import Tile, tiling_error
 from streamck.source.torchzip import _Lazy
-from streamck.source.zero_files import Cursor, Flat, RankFile, shape_of, stage_of
+from streamck.source.zero_files import Cursor, Flat, RankFile, save_stamp, shape_of, stage_of
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 MOE_RE = re.compile(r"(^|_)expert_\d+_.*model_states\.pt$|^expp_rank_\d+_.*optim_states\.pt$")
 AUTOEP_KEYS = ("ds_autoep_layers", "autoep_layers")
 
@@ -54,8 +55,13 @@ class Entry(NamedTuple):
 
 
 def find_zero(path: Path) -> Path | None:
-    """The step folder holding ZeRO state: ``path`` itself (``global_stepN/``) or the one
-    its ``latest`` file names (``checkpoint-N/``); None when ``path`` is neither."""
+    """The step folder holding ZeRO state: ``path`` itself (``global_stepN/``), the one its
+    ``latest`` file names (``checkpoint-N/``), or, with no ``latest``, its only folder
+    holding ZeRO state; None when ``path`` is none of these.
+
+    Raises CheckpointError when ``latest`` names something else, or when there is no
+    ``latest`` and several folders hold ZeRO state (which one is the model is a guess).
+    """
     path = Path(path)
     if not path.is_dir():
         return None
@@ -72,16 +78,67 @@ def find_zero(path: Path) -> Path | None:
         if not _has_zero(path / tag):
             raise CheckpointError(f"names {tag}, which holds no ZeRO optimizer state", latest)
         return path / tag
-    return None
+    found = sorted((p for p in path.iterdir() if _has_zero(p)), key=_step_order)
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise CheckpointError(
+            f"no 'latest' file and {len(found)} folders of ZeRO state ({names}): "
+            f"give the one to read, e.g. {path / found[-1].name}",
+            path,
+        )
+    return found[0] if found else None
+
+
+def _step_order(path: Path) -> tuple[int, str]:
+    m = re.search(r"(\d+)$", path.name)
+    return (int(m[1]) if m else -1, path.name)
 
 
 def _has_zero(path: Path) -> bool:
     return path.is_dir() and any(OPTIM_RE.match(p.name) for p in path.iterdir())
 
 
-def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
+def _stage(osd: dict) -> object:
+    """The ZeRO stage of an optimizer state dict; DeepSpeed's BF16_Optimizer (bf16 with fp32
+    gradient accumulation) records none, but partitions as ZeRO-1 does: fp32 partitions in
+    ``single_partition_of_fp32_groups``, each group's flat vector padded to 2·W at its end."""
+    if "zero_stage" in osd:
+        return stage_of(osd["zero_stage"])
+    if "single_partition_of_fp32_groups" in osd and "group_paddings" in osd:
+        return 1
+    return None
+
+
+def _same_save(files: list[RankFile]) -> None:
+    """Refuse rank files that record different saves (a stale file copied from another step):
+    each of save_stamp's values must agree with the first file that records it."""
+    seen: dict[str, tuple[object, RankFile]] = {}
+    for rf in files:
+        for key, value in save_stamp(rf).items():
+            first = seen.setdefault(key, (value, rf))
+            if first[0] != value:
+                raise CheckpointError(
+                    f"rank files of different saves: {key} is {value!r} here but {first[0]!r} in "
+                    f"{first[1].path.name} (a file copied from another step?)",
+                    rf.path,
+                )
+
+
+def rank_file_error(path: Path) -> CheckpointError | None:
+    """The error for ``path`` when it is one rank's file of a ZeRO checkpoint, given alone."""
+    if OPTIM_RE.match(path.name) or Z3_MODEL_RE.match(path.name) or MODEL_RE.match(path.name):
+        folder = path.parent
+        return CheckpointError(
+            f"one rank's file of a DeepSpeed ZeRO checkpoint: pass its folder ({folder}) or the checkpoint-N/ above it",
+            path,
+        )
+    return None
+
+
+def read_zero(step_dir: Path) -> tuple[dict[str, Entry], dict[str, str], list[str]]:
     """Index the consolidated weights of the ZeRO checkpoint in ``step_dir`` (``global_stepN``):
-    every param (fp32 master weights), frozen param, buffer and tied alias, with notices.
+    every param (fp32 master weights), frozen param, buffer and tied alias; the aliases
+    (``shared_params``: alias → the name it ties to) and notices.
 
     Raises CheckpointError for MoE / expert-parallel files, tensor or pipeline parallel
     files, a missing or extra rank file, optimizer state offloaded to NVMe, counts that do
@@ -118,13 +175,13 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
 
     first = RankFile(optim[0])
     osd = first.obj.get("optimizer_state_dict")
-    if not isinstance(osd, dict) or "zero_stage" not in osd:
+    if not isinstance(osd, dict) or _stage(osd) is None:
         raise CheckpointError("no optimizer_state_dict with a zero_stage: not a ZeRO optimizer file", first.path)
     if osd.get("ds_zero_partition_groups"):
         raise CheckpointError(
             "ZeRO-3 expert partition groups (AutoEP MoE): expert-parallel state is not supported", first.path
         )
-    stage = stage_of(osd["zero_stage"])
+    stage = _stage(osd)
     if stage not in (1, 2, 3):
         raise CheckpointError(f"unknown ZeRO stage {stage!r:.40}", first.path)
     count = osd.get("partition_count")
@@ -150,7 +207,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
     groups: list[list[Flat]] = []  # [rank][group]
     for rf in ranks:
         o = rf.obj.get("optimizer_state_dict")
-        if not isinstance(o, dict) or stage_of(o.get("zero_stage")) != stage or o.get("partition_count") != count:
+        if not isinstance(o, dict) or _stage(o) != stage or o.get("partition_count") != count:
             raise CheckpointError(f"stage or partition count differs from rank 0's ({optim[0].name})", rf.path)
         flat = o.get(key)
         if not isinstance(flat, list):
@@ -179,6 +236,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
         if not p.is_file():
             raise CheckpointError(f"{p.name} is missing", step_dir)
         models = [RankFile(p)]
+    _same_save([*ranks, *models])
     for m in models:
         if any(k in m.obj for k in AUTOEP_KEYS if m.obj.get(k)):
             raise CheckpointError("AutoEP MoE layers: expert-parallel ZeRO state is not supported", m.path)
@@ -219,11 +277,12 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
     for name in buffer_names:
         if name in module and isinstance(module[name], _Lazy):
             whole(name, module[name], model)
-            if entries[name].dtype in ("F16", "BF16"):
+            if entries[name].dtype in ("F16", "BF16", "F64"):
                 low.append(name)
     if low:
         notices.append(
-            f"buffers {listing(low, 4)} are kept as saved ({entries[low[0]].dtype}); zero_to_fp32 upcasts them"
+            f"buffers {listing(low, 4)} are kept as saved ({entries[low[0]].dtype}); "
+            "zero_to_fp32 makes every floating buffer F32"
         )
 
     trainable = [(n, shape_of(s, repr(n), model.path)) for g in param_shapes for n, s in g.items()]
@@ -257,6 +316,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
             whole(name, frags[name], model, shape_of(s, repr(name), model.path))
     elif stage < 3:
         # ZeRO-1 saves no frozen_param_*: what is left of the module is the frozen params
+        # (and params with no elements, which are in no partition)
         frozen = [
             n
             for n, t in module.items()
@@ -264,11 +324,16 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
         ]
         for name in frozen:
             whole(name, module[name], model)
+        # a trainable param with no elements is in no partition either: not frozen
+        empty = [n for n in frozen if not entries[n].tiles]
+        frozen = [n for n in frozen if entries[n].tiles]
         if frozen:
             notices.append(
                 f"frozen params {listing(frozen, 4)} read from the module copy in {model.path.name} "
-                f"({entries[frozen[0]].dtype}; zero_to_fp32 leaves ZeRO-{stage} frozen params out)"
+                f"({entries[frozen[0]].dtype}{'; zero_to_fp32 leaves them out' if stage == 1 else ''})"
             )
+        if empty:
+            notices.append(f"params with no elements {listing(empty, 4)} written as saved in {model.path.name}")
 
     dtype = dtypes.pop() if dtypes else "F32"
     if stage == 3:
@@ -339,14 +404,17 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], list[str]]:
                     f"param group {g}: params use {offset} of the ranks' {cur.numel} elements", step_dir
                 )
 
-    dangling = []
+    dangling, aliases = [], {}
     for alias, target in shared.items():
         if target in entries:
             e = entries[target]
             entries.pop(alias, None)
             entries[alias] = Entry(alias, e.dtype, e.shape, e.tiles)
+            aliases[alias] = target
         else:
             dangling.append(f"{alias} -> {target}")
     if dangling:
         notices.append(f"tied aliases without a saved target left out: {listing(dangling, 4)}")
-    return entries, notices
+    if not entries:
+        raise CheckpointError("the ZeRO state holds no parameters and no buffers: nothing to write", step_dir)
+    return entries, aliases, notices

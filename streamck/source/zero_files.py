@@ -6,7 +6,9 @@ reads the layout they make up)."""
 from __future__ import annotations
 
 import math
+import os
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import NamedTuple
@@ -132,6 +134,56 @@ class RankFile:
         if (t.offset + numel) * item > size:
             raise CheckpointError(f"{what}: runs past its {size}-byte storage record", self.path)
         return Flat(self.path, start + t.offset * item, numel, t.dtype)
+
+
+# What a rank file records of the save it belongs to; every rank file of one save agrees.
+STAMP_KEYS = ("global_steps", "global_samples", "ds_version", "dp_world_size")
+_SCALAR = {"F64": "<d", "F32": "<f", "I64": "<q", "I32": "<i"}
+
+
+def save_stamp(rf: RankFile) -> dict[str, object]:
+    """What ``rf`` records of its save: the engine's counters and version (model states),
+    the version and the optimizer's step count (optimizer states)."""
+    obj = rf.obj
+    stamp = {k: obj[k] for k in STAMP_KEYS if isinstance(obj.get(k), (int, str))}
+    osd = obj.get("optimizer_state_dict")
+    if isinstance(osd, dict):
+        if isinstance(osd.get("ds_version"), str):
+            stamp["ds_version"] = osd["ds_version"]
+        steps = {_step_value(rf, v) for v in _find_key(osd, "step", 6)} - {None}
+        if steps:
+            stamp["optimizer step"] = max(steps)
+    return stamp
+
+
+def _find_key(obj: object, key: str, depth: int):
+    """Every value under ``key`` in nested dicts and lists, down to ``depth`` levels."""
+    if depth < 0:
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == key:
+                yield v
+            else:
+                yield from _find_key(v, key, depth - 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _find_key(v, key, depth - 1)
+
+
+def _step_value(rf: RankFile, v: object) -> int | float | None:
+    """An optimizer step count: a number, or a one-element tensor (torch's AdamW), read."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    if isinstance(v, _Lazy) and v.dtype in _SCALAR and math.prod(v.size) == 1:
+        f = rf.flat(v, "optimizer step")
+        fd = os.open(f.path, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, BITS[f.dtype] // 8, f.start)
+        finally:
+            os.close(fd)
+        return struct.unpack(_SCALAR[f.dtype], raw)[0]
+    return None
 
 
 def shape_of(v: object, what: str, path: Path) -> tuple[int, ...]:
