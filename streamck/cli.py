@@ -70,6 +70,8 @@ def _open(args: argparse.Namespace, src: str | os.PathLike | None = None) -> Che
 
 
 def _files(t, root: Path) -> str:
+    if not t.paths:  # a tensor of no elements read as tiles lies in no file
+        return "-"
     first = os.path.relpath(t.path, root)
     return first if len(t.paths) == 1 else f"{first} (+{len(t.paths) - 1} more)"
 

@@ -217,6 +217,52 @@ def make_zero_checkpoints(root: Path) -> list[dict]:
     return out
 
 
+def _odd_worker(rank: int, port: int, base: str) -> None:
+    """One rank of DeepSpeed training a model with a trainable param of no elements and an
+    F64 buffer, under ZeRO-1 and ZeRO-2 (ZeRO-3 cannot run a param of no elements)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")  # fmt: skip
+    import logging
+
+    import deepspeed
+    import torch
+    from torch import nn
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.empty = nn.Parameter(torch.empty(0))
+            self.register_buffer("f64", torch.linspace(0, 1, 3, dtype=torch.float64))
+
+        def forward(self, x):
+            return self.lin(x).sum() + self.empty.sum() + self.f64.float().sum()
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    for stage in (1, 2):
+        model = Odd()
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}  # fmt: skip
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine.backward(engine(torch.ones(1, 4)))
+        engine.step()
+        engine.save_checkpoint(f"{base}/z{stage}", tag="global_step1")
+
+
+def make_odd_checkpoints(root: Path) -> dict[int, Path]:
+    """ZeRO-1 and ZeRO-2 checkpoints (``global_step1`` by stage) of a model with a trainable
+    param of no elements (``empty``) and an F64 buffer (``f64``), written by DeepSpeed."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    try:
+        mp.start_processes(_odd_worker, args=(port, str(root)), nprocs=1, start_method="spawn")
+    finally:
+        _drop_shm(port)
+    return {stage: Path(root) / f"z{stage}" / "global_step1" for stage in (1, 2)}
+
+
 if __name__ == "__main__":
     import sys
     import time
