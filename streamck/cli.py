@@ -106,6 +106,7 @@ def _compile(args: argparse.Namespace):
         zero=args.zero,
         copy_files=not args.no_copy_files,
         verifier=args.verifier,
+        aux_layer_ids=args.aux_layer_ids,
     )
     if plan.source is not None:
         _note(plan.source)
@@ -268,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rules.add_argument(
         "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
+    )
+    rules.add_argument(
+        "--aux-layer-ids",
+        metavar="K,K,K",
+        help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
+        "(Automodel's ids), over what the step records",
     )
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(
