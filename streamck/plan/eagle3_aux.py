@@ -25,10 +25,12 @@ from streamck.source.layout import CONSOLIDATED, HF_METADATA
 
 @dataclass(frozen=True)
 class AuxLayers:
-    """Aux layer ids in Automodel's convention (the output of target layer k) and where they came from."""
+    """Aux layer ids in Automodel's convention (the output of target layer k), where they came
+    from (``source``) and the file that holds them, if one does (``where``)."""
 
     ids: tuple[int, ...]
     source: str
+    where: Path | None = None
 
     def shifted(self, shift: int) -> list[int]:
         """The ids as a reader that adds ``shift`` to Automodel's needs them."""
@@ -45,7 +47,8 @@ class AuxLayers:
     def note(self, keys: tuple) -> str:
         """One line for the notice and the dry run: the ids, their source, what each reader gets."""
         served = "; ".join(f"{who}'s {'.'.join(path)} {self.shifted(shift)}" for path, shift, who in keys)
-        return f"aux layers {list(self.ids)} (outputs of target layers) from {self.source}; written as {served}"
+        held = f" in {self.where}" if self.where is not None else ""
+        return f"aux layers {list(self.ids)} (outputs of target layers) from {self.source}{held}; written as {served}"
 
 
 def default_aux_layer_ids(n: int) -> list[int]:
@@ -103,7 +106,7 @@ def _config_ids(config: dict) -> tuple[object, str] | None:
             node = node.get(key) if isinstance(node, dict) else None
         if node is not None:
             ids = [k - shift for k in node] if shift and _ints(node) else node
-            found.append((ids, f"config.json's {'.'.join(path)}" + (f" less {shift}" if shift else "")))
+            found.append((ids, ".".join(path) + (f" less {shift}" if shift else "")))
     if len(found) == 2 and found[0][0] != found[1][0]:
         raise PlanError(f"{found[0][1]} {found[0][0]} and {found[1][1]} {found[1][0]} disagree")
     return found[0] if found else None
@@ -127,17 +130,17 @@ def resolve_aux_layers(
     in_config = _config_ids(config)
     where = directory / "config.json"
     if recipe is not None:
-        label = f"{snapshot}'s {'.'.join(RECIPE_AUX_KEY)}"
+        label = ".".join(RECIPE_AUX_KEY)
         if not _ints(recipe):
-            raise PlanError(f"{'.'.join(RECIPE_AUX_KEY)} must be a list of layer numbers, not {recipe!r}", snapshot)
+            raise PlanError(f"{label} must be a list of layer numbers, not {recipe!r}", snapshot)
         if in_config is not None and in_config[0] != recipe:
-            raise PlanError(f"{in_config[1]} {in_config[0]} disagree with {label} {recipe}", where)
-        return AuxLayers(tuple(recipe), label)
+            raise PlanError(f"{in_config[1]} {in_config[0]} disagree with {snapshot}'s {label} {recipe}", where)
+        return AuxLayers(tuple(recipe), label, snapshot)
     if in_config is not None:
         ids, label = in_config
         if not _ints(ids):
             raise PlanError(f"{label} must be a list of layer numbers, not {ids!r}", where)
-        return AuxLayers(tuple(ids), label)
+        return AuxLayers(tuple(ids), label, where)
     had = f"{snapshot} sets no {'.'.join(RECIPE_AUX_KEY)}" if snapshot is not None else f"no {RECIPE_SNAPSHOT}"
     return AuxLayers(tuple(default_aux_layer_ids(n)), f"Automodel's default {DEFAULT_AUX} for n = {n} ({had})")
 
@@ -145,8 +148,9 @@ def resolve_aux_layers(
 def check_aux_layers(aux: AuxLayers, count: int, n: int, top: int, reason: str, where: Path) -> None:
     """Refuse ids the draft or the target cannot have: not ``count`` of them (the draft's fc
     takes ``count`` aux states), repeated, or outside 0 .. n - ``top`` (``reason`` says why
-    the engine stops there)."""
+    the engine stops there). The error names the file holding the ids, else ``where``."""
     ids = list(aux.ids)
+    where = aux.where or where
     if len(ids) != count:
         raise PlanError(f"{len(ids)} aux layer ids {ids} from {aux.source}: the draft's fc takes {count}", where)
     if len(set(ids)) != len(ids):
