@@ -146,6 +146,17 @@ def test_ids_from_config_json_taken_back(tmp_path):
             r"eagle_aux_hidden_state_layer_ids less 1 \[0, 14, 27\] disagree with .*config.yaml",
         ),
         ({"target_edit": {"num_hidden_layers": 4}}, r"aux layer ids \[1, 1, 0\] from Automodel's default"),
+        (
+            {
+                "snapshot": False,
+                "json_edit": {
+                    "eagle_aux_hidden_state_layer_ids": [1, 15, 28],
+                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]},
+                },
+            },
+            r"config.json: eagle_config.eagle_aux_hidden_state_layer_ids \[1, 15, 28\] and "
+            r"eagle_aux_hidden_state_layer_ids less 1 \[0, 14, 27\] disagree",
+        ),
     ],
 )
 def test_impossible_ids_refused(tmp_path, kw, match):

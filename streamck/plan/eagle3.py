@@ -92,12 +92,12 @@ def structure(config: dict, where: Path) -> dict[str, int]:
         for key in PEAGLE_CONFIG_KEYS:
             if table.get(key) is not None:
                 raise refuse(f"{scope}{key} marks a P-EAGLE draft: {REFUSED_FLAGS['parallel_drafting']}")
-        for flag, reason in REFUSED_FLAGS.items():
-            if table.get(flag) is True:
-                raise refuse(f"{scope}{flag}: true is refused: {reason}")
-        for flag in (*REFUSED_FLAGS, *EXPLICIT_FLAGS):
-            if flag in table and type(table[flag]) is not bool:
-                raise refuse(f"{scope}{flag} must be true or false, not {table[flag]!r}")
+        for name, reason in REFUSED_FLAGS.items():
+            if table.get(name) is True:
+                raise refuse(f"{scope}{name}: true is refused: {reason}")
+        for name in (*REFUSED_FLAGS, *EXPLICIT_FLAGS):
+            if name in table and type(table[name]) is not bool:
+                raise refuse(f"{scope}{name} must be true or false, not {table[name]!r}")
     if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
         raise refuse("eagle_config.use_aux_hidden_state: false drops the fc these loaders build")
     if not _positive_int(config.get("num_hidden_layers")):
@@ -159,7 +159,8 @@ def llama_keys(config: dict, symbols: dict[str, int], dtype: str | None) -> dict
     if rope is None and (config.get("rope_theta") is not None or config.get("rope_scaling")):
         rope = dict(config.get("rope_scaling") or {})
         rope.setdefault("rope_type", rope.get("type", "default"))
-        rope.setdefault("rope_theta", config.get("rope_theta"))
+        if config.get("rope_theta") is not None:
+            rope.setdefault("rope_theta", config["rope_theta"])
     if rope is not None:
         out["rope_parameters"] = dict(sorted(rope.items()))
     out["layer_types"] = list(LAYER_TYPES)

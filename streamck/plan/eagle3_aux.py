@@ -96,7 +96,7 @@ def _recipe_ids(snapshot: Path) -> object:
     return node
 
 
-def _config_ids(config: dict) -> tuple[object, str] | None:
+def _config_ids(config: dict, where: Path) -> tuple[object, str] | None:
     """Ids a training config.json holds, taken back to Automodel's convention; refused when
     its two keys disagree."""
     found = []
@@ -108,7 +108,7 @@ def _config_ids(config: dict) -> tuple[object, str] | None:
             ids = [k - shift for k in node] if shift and _ints(node) else node
             found.append((ids, ".".join(path) + (f" less {shift}" if shift else "")))
     if len(found) == 2 and found[0][0] != found[1][0]:
-        raise PlanError(f"{found[0][1]} {found[0][0]} and {found[1][1]} {found[1][0]} disagree")
+        raise PlanError(f"{found[0][1]} {found[0][0]} and {found[1][1]} {found[1][0]} disagree", where)
     return found[0] if found else None
 
 
@@ -127,8 +127,8 @@ def resolve_aux_layers(
         return AuxLayers(tuple(parse_aux_layer_ids(given)), "--aux-layer-ids")
     snapshot = recipe_snapshot(path, directory)
     recipe = _recipe_ids(snapshot) if snapshot is not None else None
-    in_config = _config_ids(config)
     where = directory / "config.json"
+    in_config = _config_ids(config, where)
     if recipe is not None:
         label = ".".join(RECIPE_AUX_KEY)
         if not _ints(recipe):
