@@ -60,6 +60,15 @@ AUX_READERS = {
         "v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config; model_executor/models/llama.py "
         "and qwen2.py LlamaModel/Qwen2Model.forward (_maybe_add_hidden_state(aux, idx + 1, ...))",
     ),
+    # vLLM's second model runner (VLLM_USE_V2_MODEL_RUNNER) falls back to eagle_config's
+    # layer_ids, not eagle_aux_hidden_state_layer_ids: only the top-level key reaches it.
+    "vllm_v2": (
+        "vLLM 0.33.0",
+        (("eagle_aux_hidden_state_layer_ids",), ("eagle_config", "layer_ids")),
+        0,
+        "n",
+        "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config",
+    ),
     "sglang": (
         "SGLang 0.5.23",
         (("eagle_config", "eagle_aux_hidden_state_layer_ids"),),

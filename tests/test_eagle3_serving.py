@@ -51,7 +51,7 @@ def served(tmp_path, plan="eagle3", name="out", src=None, **kw) -> dict:
 # ---- 1. the ids each engine reads are the trained layers -------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("engine", ["vllm", "vllm_v2", "sglang"])
 @pytest.mark.parametrize("case", CASES)
 def test_engines_capture_the_trained_layers(tmp_path, case, engine):
     kw, ids = CASES[case]

@@ -23,7 +23,8 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name; vLLM registers i
 # eagle/vllm_runner.py adds 1 for vLLM). Each serving key, what it adds to k, and who reads it:
 AUX_ID_KEYS = (
     # vLLM 0.33 reads this one first (v1/worker/gpu_model_runner.py
-    # _get_eagle3_aux_layers_from_config); its id j is the input of layer j (models/llama.py
+    # _get_eagle3_aux_layers_from_config), its V2 runner only this one (v1/worker/gpu/
+    # spec_decode/eagle/eagle3_utils.py); its id j is the input of layer j (models/llama.py
     # records the output of layer idx under idx + 1).
     (("eagle_aux_hidden_state_layer_ids",), 1, "vLLM"),
     # SGLang 0.5.23 reads only this one (model_runner_components/spec_aux_hidden_state.py) and
