@@ -8,14 +8,14 @@ run from any thread; every failure is a ``StreamckError``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
 from streamck.errors import UsageError
-from streamck.plan import BUILTIN_PLANS, VERIFIER_PLANS, Plan, Rule, Rules, compile_plan, load_rules
+from streamck.plan import AUX_LAYER_PLANS, BUILTIN_PLANS, VERIFIER_PLANS, Plan, Rule, Rules, compile_plan, load_rules
 from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint, open_checkpoint
 from streamck.source.layout import pick_step
@@ -44,6 +44,7 @@ def build_plan(
     keep_tied: bool = False,
     copy_files: bool = True,
     verifier: str | None = None,
+    aux_layer_ids: Sequence[int] | str | None = None,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files.
@@ -63,9 +64,15 @@ def build_plan(
         extra = {"verifier": verifier} if verifier is not None else {}
         if extra and os.fspath(plan) not in VERIFIER_PLANS:
             raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only, not {plan}")
+        if aux_layer_ids is not None:
+            if os.fspath(plan) not in AUX_LAYER_PLANS:
+                raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
+            extra["aux_layer_ids"] = aux_layer_ids
         return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
     if verifier is not None:
         raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
+    if aux_layer_ids is not None:
+        raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     return compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
 
@@ -93,6 +100,7 @@ def rewrite(
     device: str | None = None,
     drop_cache: bool = False,
     verifier: str | None = None,
+    aux_layer_ids: Sequence[int] | str | None = None,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -102,8 +110,10 @@ def rewrite(
     maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
     size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
     ``.pth`` output name does too); ``key``/``zero``/``keep_tied`` choose what a torch
-    pickle or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the target model
-    named in ``plan="eagle3-speculators"``'s config; ``jobs`` writes that many shards at
+    pickle or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the
+    target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
+    (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
+    an ``eagle3`` plan's step records; ``jobs`` writes that many shards at
     once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
     Memory stays near one chunk (per job).
 
@@ -129,6 +139,7 @@ def rewrite(
         keep_tied=keep_tied,
         copy_files=copy_files,
         verifier=verifier,
+        aux_layer_ids=aux_layer_ids,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(

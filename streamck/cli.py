@@ -110,6 +110,7 @@ def _compile(args: argparse.Namespace):
         keep_tied=args.keep_tied,
         copy_files=not args.no_copy_files,
         verifier=args.verifier,
+        aux_layer_ids=args.aux_layer_ids,
     )
     if plan.source is not None:
         _note(plan.source)
@@ -283,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rules.add_argument(
         "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
+    )
+    rules.add_argument(
+        "--aux-layer-ids",
+        metavar="K,K,K",
+        help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
+        "(Automodel's ids), over what the step records",
     )
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(

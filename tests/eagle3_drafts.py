@@ -1,126 +1,144 @@
-"""Small NeMo Automodel EAGLE-3 drafts, and what the serving engines build, written out
-here independently of streamck's tables (``streamck/plan/eagle3_layout.py``).
-
-The draft config mirrors what nemo_automodel 0.7.0's train_eagle3 recipe writes: the
-target's text config (num_hidden_layers is the target's) plus the recipe's keys.
+"""NeMo Automodel EAGLE-3 draft steps (built by Automodel's own code: automodel_eagle3.py),
+and what the serving engines do with a served config, written out here as data with the
+engine versions and files they were read from, independently of streamck's tables
+(``streamck/plan/eagle3_layout.py``).
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-import numpy as np
+from automodel_eagle3 import write_automodel_step
 from eagle4_drafts import serving_name  # noqa: F401  the same rename for both plans: model. dropped
 from helpers import write_step
-
-BASE_CONFIG = {
-    "architectures": ["LlamaEagle3DraftModel"],
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "hidden_size": 16,
-    "intermediate_size": 40,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 50,
-    "draft_vocab_size": 50,
-    "target_hidden_size": 16,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "max_position_embeddings": 2048,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "mlp_bias": False,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-    "attn_implementation": "eager",
-    "fc_norm": False,
-    "norm_output": False,
-    "parallel_drafting": False,
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]},
-    "_name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
-    "transformers_version": "4.57.1",
-    "initializer_range": 0.02,
-    "pretraining_tp": 1,
-    "use_cache": True,
-    "learning_rate": 3e-4,
-    "ttt_steps": 7,
-}
-
-
-def shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Training key -> shape of an Automodel LlamaEagle3DraftModel state dict."""
-    H, I, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]  # noqa: E741
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-    d = config.get("head_dim") or H // nh
-    T = config.get("target_hidden_size") or H
-    Vd = config.get("draft_vocab_size") or V
-    m = "model."
-    s = {
-        m + "embed_tokens.weight": (V, H),
-        m + "fc.weight": (H, 3 * T),
-        m + "layers.0.hidden_norm.weight": (H,),
-        m + "layers.0.input_layernorm.weight": (H,),
-        m + "layers.0.post_attention_layernorm.weight": (H,),
-        m + "layers.0.self_attn.q_proj.weight": (nh * d, 2 * H),
-        m + "layers.0.self_attn.k_proj.weight": (nkv * d, 2 * H),
-        m + "layers.0.self_attn.v_proj.weight": (nkv * d, 2 * H),
-        m + "layers.0.self_attn.o_proj.weight": (H, nh * d),
-        m + "layers.0.mlp.gate_proj.weight": (I, H),
-        m + "layers.0.mlp.up_proj.weight": (I, H),
-        m + "layers.0.mlp.down_proj.weight": (H, I),
-        m + "norm.weight": (H,),
-        "lm_head.weight": (Vd, H),
-    }
-    if config.get("fc_norm"):
-        s |= {f"model.fc_norm.{i}.weight": (T,) for i in range(3)}
-    return s
 
 
 def make_draft(
     root: Path,
-    config_overrides: dict | None = None,
+    recipe: dict | None = None,
     *,
-    consolidated: bool = False,
-    shards: int = 0,
-    dtype=np.float32,
+    target: str = "llama3.1",
+    target_edit: dict | None = None,
+    draft_edit: dict | None = None,
+    json_edit: dict | None = None,
     tensors_edit=None,
-    seed: int = 0,
-) -> tuple[Path, dict, dict[str, np.ndarray]]:
-    """Write a draft under ``root`` (a step dir with ``model/consolidated`` if asked), with
-    d2t/t2d exactly when draft_vocab_size < vocab_size, as Automodel saves them.
-    Returns (path to give the exporter, training config, training tensors)."""
-    config = {**BASE_CONFIG, **(config_overrides or {})}
-    config = {k: v for k, v in config.items() if v is not None}
-    rng = np.random.default_rng(seed)
-    tensors = {k: rng.standard_normal(s, dtype=np.float32).astype(dtype) for k, s in shapes(config).items()}
-    V, Vd = config["vocab_size"], config.get("draft_vocab_size") or config["vocab_size"]
-    if Vd < V:
-        selected = np.sort(rng.choice(V, Vd, replace=False))
-        tensors["d2t"] = (selected - np.arange(Vd)).astype(np.int64)
-        t2d = np.zeros(V, dtype=np.bool_)
-        t2d[selected] = True
-        tensors["t2d"] = t2d
+    consolidated: bool = True,
+    shards: int = 0,
+    snapshot: bool = True,
+) -> tuple[Path, dict, dict]:
+    """An Automodel step under ``root`` for ``target`` trained with ``recipe`` (recipe_args),
+    with ``config.yaml`` beside it (unless not ``snapshot``). ``target_edit`` changes the
+    target's config.json, ``draft_edit`` the draft config before Automodel builds the model;
+    ``json_edit`` (None deletes) and ``tensors_edit`` damage what was saved. Without
+    ``consolidated`` the files sit in the step itself; ``shards`` splits them.
+    Returns (the step, its config.json, its tensors)."""
+    _, config, tensors = write_automodel_step(
+        root, target, recipe, target_edit=target_edit, draft_edit=draft_edit, snapshot=snapshot
+    )
+    if not (json_edit or tensors_edit or shards or not consolidated):
+        return root, config, tensors
+    edit = json_edit or {}
+    config = {k: v for k, v in {**config, **edit}.items() if v is not None or k not in edit}
     if tensors_edit:
         tensors_edit(tensors)
+    shutil.rmtree(root / "model")
     return write_step(root, config, tensors, consolidated=consolidated, shards=shards), config, tensors
 
 
+# ---- how the engines read the aux layer ids -------------------------------------------------
+# name: (version, config keys tried in order (the first non-empty wins), what the engine adds
+# to an id before capturing, the last capture point, where it was read). A capture at point c
+# is the residual stream entering target layer c, i.e. the output of layer c - 1; c = n is
+# the output of the last layer.
+AUX_READERS = {
+    "vllm": (
+        "vLLM 0.33.0",
+        (("eagle_aux_hidden_state_layer_ids",), ("eagle_config", "eagle_aux_hidden_state_layer_ids")),
+        0,
+        "n",  # records after layer idx under idx + 1, for idx up to n - 1
+        "v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config; model_executor/models/llama.py "
+        "and qwen2.py LlamaModel/Qwen2Model.forward (_maybe_add_hidden_state(aux, idx + 1, ...))",
+    ),
+    # vLLM's second model runner (VLLM_USE_V2_MODEL_RUNNER) falls back to eagle_config's
+    # layer_ids, not eagle_aux_hidden_state_layer_ids: only the top-level key reaches it.
+    "vllm_v2": (
+        "vLLM 0.33.0",
+        (("eagle_aux_hidden_state_layer_ids",), ("eagle_config", "layer_ids")),
+        0,
+        "n",
+        "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config",
+    ),
+    "sglang": (
+        "SGLang 0.5.23",
+        (("eagle_config", "eagle_aux_hidden_state_layer_ids"),),
+        1,
+        "n-1",  # captures at the input of layer i, for i in range(n)
+        "srt/model_executor/model_runner_components/spec_aux_hidden_state.py _resolve_eagle_aux_hidden_state; "
+        "srt/models/llama.py and qwen3.py set_eagle3_layers_to_capture ([val + 1 ...]), LlamaModel.forward",
+    ),
+    # vLLM serving a speculators checkpoint: the adapter copies only the top-level ids into the
+    # config vLLM builds from transformer_layer_config; the capture is vLLM's.
+    "vllm_speculators": (
+        "vLLM 0.33.0",
+        (("eagle_aux_hidden_state_layer_ids",),),
+        0,
+        "n",
+        "transformers_utils/configs/speculators/algos.py update_eagle3, base.py "
+        "extract_transformers_pre_trained_config",
+    ),
+}
+
+
+def captured_layers(served: dict, engine: str, n: int) -> list[int | None]:
+    """The target layer whose output each aux state the engine captures is (None: captured
+    nowhere, or the embeddings), for a target of ``n`` layers."""
+    _, keys, add, last, _ = AUX_READERS[engine]
+    ids = None
+    for path in keys:
+        node = served
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node:
+            ids = node
+            break
+    assert ids, f"{engine} finds no aux layer ids"
+    top = n if last == "n" else n - 1
+    return [c - 1 if 1 <= c <= top else None for c in (j + add for j in ids)]
+
+
+def speculators_as_vllm(body: dict) -> dict:
+    """The config vLLM 0.33 builds its draft from for a speculators checkpoint:
+    transformer_layer_config updated by the eagle3 adapter (transformers_utils/configs/
+    speculators/base.py extract_transformers_pre_trained_config, algos.py update_eagle3)."""
+    pre = dict(body["transformer_layer_config"])
+    pre["draft_vocab_size"] = body.get("draft_vocab_size")
+    if body.get("target_hidden_size") is not None:
+        pre["target_hidden_size"] = body["target_hidden_size"]
+    pre["norm_before_residual"] = body.get("norm_before_residual", True)
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        pre[key] = body.get(key, False)
+    pre["architectures"] = [{"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "Eagle3LlamaForCausalLM"}[pre["model_type"]]]
+    if body.get("eagle_aux_hidden_state_layer_ids"):
+        pre["eagle_aux_hidden_state_layer_ids"] = body["eagle_aux_hidden_state_layer_ids"]
+    return pre
+
+
 # ---- what the engines build from a served config.json, and how their loaders map names ----
-# vLLM 0.33 model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM) and SGLang 0.5.23
-# srt/models/llama_eagle3.py (LlamaForCausalLMEagle3), written out by hand.
+# vLLM 0.33 model_executor/models/llama_eagle3.py (LlamaModel.__init__, Eagle3LlamaForCausalLM)
+# and SGLang 0.5.23 srt/models/llama_eagle3.py (LlamaModel.__init__, LlamaForCausalLMEagle3).
 
 STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"))
 STACKED += ((".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
+
+
+def engine_aux_count(config: dict) -> int:
+    """How many aux states both engines size fc for: num_aux_hidden_states, else the length of
+    eagle_config's ids, else 3."""
+    if config.get("num_aux_hidden_states") is not None:
+        return config["num_aux_hidden_states"]
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return len(ids) if ids else 3
 
 
 def engine_params(config: dict, engine: str) -> dict[str, tuple[int, ...]]:
@@ -128,7 +146,9 @@ def engine_params(config: dict, engine: str) -> dict[str, tuple[int, ...]]:
     H, I = config["hidden_size"], config["intermediate_size"]  # noqa: E741
     nh, nkv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     V, Vd, T = config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]
-    aux = 3 if engine == "vllm" else len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    aux = engine_aux_count(config)
+    eagle = config.get("eagle_config") or {}
+    norm_before_fc = eagle.get("norm_before_fc", config.get("norm_before_fc", False))
     assert config["num_hidden_layers"] == 1
     layer = "model.layers.0."
     p = {
@@ -143,6 +163,8 @@ def engine_params(config: dict, engine: str) -> dict[str, tuple[int, ...]]:
         layer + "hidden_norm.weight": (H,),
         "model.norm.weight": (H,),
     }
+    if norm_before_fc:
+        p["model.input_norm.weight"] = (aux * T,)
     if config.get("fc_norm"):
         p |= {f"model.fc_norm.{i}.weight": (T,) for i in range(aux)}
     if config["tie_word_embeddings"] is False:

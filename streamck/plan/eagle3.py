@@ -10,21 +10,25 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError, UsageError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
+from streamck.plan.eagle3_aux import AuxLayers, check_aux_layers, resolve_aux_layers
 from streamck.plan.eagle3_layout import (
-    AUX_LAYER_KEYS,
-    AUX_STATES,
+    AUX_ID_KEYS,
+    AUX_TOP,
     DTYPE_KEYS,
     ENGINE_VERSIONS,
     EXPLICIT_FLAGS,
     FC_NORM,
     LAYER_CONFIG_SET,
     LAYER_PREFIX,
+    LAYER_TYPES,
     LLAMA_CONFIG,
+    NORM_BEFORE_FC,
     OPTIONAL_SIZES,
     PEAGLE_CONFIG_KEYS,
     PEAGLE_TENSORS,
@@ -32,6 +36,7 @@ from streamck.plan.eagle3_layout import (
     REFUSED_FLAGS,
     REQUIRED_SIZES,
     SET_CONFIG,
+    SPECULATORS_AUX_KEYS,
     SPECULATORS_SET,
     SPECULATORS_VERSION,
     STRUCTURE_LABELS,
@@ -51,19 +56,15 @@ def _positive_int(value: object) -> bool:
     return type(value) is int and value > 0
 
 
-def aux_layer_ids(config: dict) -> list[int] | None:
-    """The aux layer ids from ``eagle_config`` or the top level, or None when neither has them."""
-    for path in AUX_LAYER_KEYS:
-        node: object = config
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if node is not None:
-            return node  # type: ignore[return-value]
-    return None
+def flag(config: dict, name: str) -> bool:
+    """A norm toggle as both engines read it: ``eagle_config``'s, else the top level's; absent is false."""
+    eagle = config.get("eagle_config") or {}
+    return (eagle[name] if name in eagle else config.get(name)) is True
 
 
 def structure(config: dict, where: Path) -> dict[str, int]:
-    """Check the training config and return the shape symbols (H, T, A, nh, nkv, d, I, V, Vd).
+    """Check the training config and return the shape symbols (H, T, A, nh, nkv, d, I, V, Vd)
+    and n, the target's layer count (the draft config carries the target's num_hidden_layers).
 
     Raises PlanError naming the first missing, mistyped or refused key.
     """
@@ -91,21 +92,22 @@ def structure(config: dict, where: Path) -> dict[str, int]:
         for key in PEAGLE_CONFIG_KEYS:
             if table.get(key) is not None:
                 raise refuse(f"{scope}{key} marks a P-EAGLE draft: {REFUSED_FLAGS['parallel_drafting']}")
-        for flag, reason in REFUSED_FLAGS.items():
-            if table.get(flag) is True:
-                raise refuse(f"{scope}{flag}: true is refused: {reason}")
-        for flag in (*REFUSED_FLAGS, *EXPLICIT_FLAGS):
-            if flag in table and type(table[flag]) is not bool:
-                raise refuse(f"{scope}{flag} must be true or false, not {table[flag]!r}")
+        for name, reason in REFUSED_FLAGS.items():
+            if table.get(name) is True:
+                raise refuse(f"{scope}{name}: true is refused: {reason}")
+        for name in (*REFUSED_FLAGS, *EXPLICIT_FLAGS):
+            if name in table and type(table[name]) is not bool:
+                raise refuse(f"{scope}{name} must be true or false, not {table[name]!r}")
     if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
         raise refuse("eagle_config.use_aux_hidden_state: false drops the fc these loaders build")
-    aux = aux_layer_ids(config)
-    if aux is None:
-        raise refuse("required key 'eagle_config.eagle_aux_hidden_state_layer_ids' is missing")
-    if not (isinstance(aux, list) and aux and all(type(i) is int and i >= 0 for i in aux)):
-        raise refuse(f"eagle_aux_hidden_state_layer_ids must be a non-empty list of layer numbers, not {aux!r}")
-    if len(aux) != AUX_STATES:
-        raise refuse(f"{len(aux)} aux layer ids {aux}: vLLM builds the fc for exactly {AUX_STATES} aux hidden states")
+    if not _positive_int(config.get("num_hidden_layers")):
+        raise refuse(
+            f"num_hidden_layers (the target's layer count, which the aux layer ids index) must be a positive "
+            f"integer, not {config.get('num_hidden_layers')!r}"
+        )
+    rope = config.get("rope_parameters")
+    if rope is not None and not (isinstance(rope, dict) and all(not isinstance(v, dict) for v in rope.values())):
+        raise refuse(f"rope_parameters must be one flat object (the draft has one full-attention layer), not {rope!r}")
     H, nh, V = config["hidden_size"], config["num_attention_heads"], config["vocab_size"]
     d = config.get("head_dim")
     if d is None:
@@ -118,20 +120,25 @@ def structure(config: dict, where: Path) -> dict[str, int]:
     return {
         "H": H,
         "T": config.get("target_hidden_size") or H,
-        "A": len(aux),
+        # Automodel sizes fc for num_aux_hidden_states (default 3) aux states (draft_llama.py).
+        "A": config.get("num_aux_hidden_states") or 3,
         "nh": nh,
         "nkv": config["num_key_value_heads"],
         "d": d,
         "I": config["intermediate_size"],
         "V": V,
         "Vd": Vd,
+        "n": config["num_hidden_layers"],
     }
 
 
 def table(config: dict, symbols: dict[str, int]) -> list[Row]:
-    """The tensor rows for this config: fc_norm rows when fc_norm, d2t/t2d when Vd < V."""
+    """The tensor rows for this config: fc_norm rows when fc_norm, input_norm when
+    norm_before_fc, d2t/t2d when Vd < V."""
     rows: list[Row] = list(TENSORS)
-    if config.get("fc_norm") is True:
+    if flag(config, "norm_before_fc"):
+        rows.append(NORM_BEFORE_FC)
+    if flag(config, "fc_norm"):
         serve, train, shape, dtypes = FC_NORM
         rows += [(serve.format(i=i), train.format(i=i), shape, dtypes) for i in range(symbols["A"])]
     if symbols["Vd"] < symbols["V"]:
@@ -139,34 +146,47 @@ def table(config: dict, symbols: dict[str, int]) -> list[Row]:
     return rows
 
 
-def _dtype_keys(config: dict, out: dict, dtype: str | None) -> None:
-    for key in DTYPE_KEYS:
-        if key in config:
-            out[key] = TORCH_NAMES[dtype] if dtype is not None and isinstance(config[key], str) else config[key]
-
-
-def serving_config(config: dict, symbols: dict[str, int], dtype: str | None = None) -> dict:
-    """The native serving config.json (vLLM and SGLang), built from scratch."""
-    aux = aux_layer_ids(config)
+def llama_keys(config: dict, symbols: dict[str, int], dtype: str | None) -> dict:
+    """The one-layer Llama keys both engines build the draft from (through transformers 5's
+    LlamaConfig): the copied sizes, ``dtype`` (a --dtype cast's, else the config's under either
+    name), ``rope_parameters`` (a transformers-4 config's rope_theta and rope_scaling folded in
+    as transformers 5 folds them) and one ``layer_types`` entry."""
     out = {k: config[k] for k in LLAMA_CONFIG if k in config}
-    _dtype_keys(config, out, dtype)
-    out |= {flag: config.get(flag) is True for flag in EXPLICIT_FLAGS}
-    out |= {
-        "head_dim": symbols["d"],
-        "draft_vocab_size": symbols["Vd"],
-        "target_hidden_size": symbols["T"],
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
-    }
+    named = next((config[k] for k in DTYPE_KEYS if config.get(k) is not None), None)
+    if dtype is not None or named is not None:
+        out["dtype"] = TORCH_NAMES[dtype] if dtype is not None else named
+    rope = config.get("rope_parameters")
+    if rope is None and (config.get("rope_theta") is not None or config.get("rope_scaling")):
+        rope = dict(config.get("rope_scaling") or {})
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        if config.get("rope_theta") is not None:
+            rope.setdefault("rope_theta", config["rope_theta"])
+    if rope is not None:
+        out["rope_parameters"] = dict(sorted(rope.items()))
+    out["layer_types"] = list(LAYER_TYPES)
+    out["head_dim"] = symbols["d"]
+    # Both engines size fc by this first (then by eagle_config's ids): one more explicit key.
+    out["num_aux_hidden_states"] = symbols["A"]
+    return out
+
+
+def serving_config(config: dict, symbols: dict[str, int], aux: AuxLayers, dtype: str | None = None) -> dict:
+    """The native serving config.json (vLLM and SGLang), built from scratch: the aux ids under
+    each engine's key in its own convention (AUX_ID_KEYS)."""
+    out = llama_keys(config, symbols, dtype)
+    out |= {name: flag(config, name) for name in EXPLICIT_FLAGS}
+    out |= {"draft_vocab_size": symbols["Vd"], "target_hidden_size": symbols["T"]}
+    aux.write(out, AUX_ID_KEYS)
     out.update(SET_CONFIG)
     return dict(sorted(out.items()))
 
 
-def speculators_config(config: dict, symbols: dict[str, int], verifier: str, dtype: str | None = None) -> dict:
-    """The speculators 0.9 config.json: Eagle3SpeculatorConfig's fields, all written out."""
-    layer = {k: config[k] for k in LLAMA_CONFIG if k in config}
-    _dtype_keys(config, layer, dtype)
-    layer["head_dim"] = symbols["d"]
+def speculators_config(
+    config: dict, symbols: dict[str, int], aux: AuxLayers, verifier: str, dtype: str | None = None
+) -> dict:
+    """The speculators 0.9 config.json: Eagle3SpeculatorConfig's fields, all written out, the
+    aux ids in vLLM's convention."""
+    layer = llama_keys(config, symbols, dtype)
     layer.update(LAYER_CONFIG_SET)
     out = {
         "speculators_config": {
@@ -178,10 +198,11 @@ def speculators_config(config: dict, symbols: dict[str, int], verifier: str, dty
         "transformer_layer_config": dict(sorted(layer.items())),
         "draft_vocab_size": symbols["Vd"],
         "target_hidden_size": symbols["T"],
-        "eagle_aux_hidden_state_layer_ids": aux_layer_ids(config),
-        **{flag: config.get(flag) is True for flag in EXPLICIT_FLAGS},
+        **{name: flag(config, name) for name in EXPLICIT_FLAGS},
     }
-    _dtype_keys(config, out, dtype)
+    aux.write(out, SPECULATORS_AUX_KEYS)
+    if "dtype" in layer:
+        out["dtype"] = layer["dtype"]
     out.update(SPECULATORS_SET)
     return dict(sorted(out.items()))
 
@@ -229,7 +250,9 @@ def _check_tensors(names: set[str], rows: list[Row], symbols: dict[str, int], wh
         raise PlanError("training tensors do not match the EAGLE-3 table: " + "; ".join(parts), where)
 
 
-def _compile(path: str | os.PathLike, rules: Rules | None, name: str) -> tuple[Path, dict, dict, list, object]:
+def _compile(
+    path: str | os.PathLike, rules: Rules | None, name: str, aux_layer_ids: Sequence[int] | str | None
+) -> tuple[Path, dict, dict, AuxLayers, list, object]:
     rules = rules or Rules()
     others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
     if others:
@@ -237,6 +260,9 @@ def _compile(path: str | os.PathLike, rules: Rules | None, name: str) -> tuple[P
     directory = find_checkpoint_dir(path)
     config = _load_config(directory)
     symbols = structure(config, directory / "config.json")
+    aux = resolve_aux_layers(config, path, directory, aux_layer_ids, symbols["n"])
+    top, reason = AUX_TOP[name]
+    check_aux_layers(aux, symbols["A"], symbols["n"], top, reason, directory / "config.json")
     ckpt = open_checkpoint(directory if directory.name != HF_METADATA.name else path)
     rows = table(config, symbols)
     _check_tensors(set(ckpt.tensors), rows, symbols, directory)
@@ -255,46 +281,72 @@ def _compile(path: str | os.PathLike, rules: Rules | None, name: str) -> tuple[P
             raise PlanError(f"{train} is {ref.dtype}; expected {' or '.join(dtypes)}", directory)
         tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))
     tensors.sort(key=lambda t: t.name)
-    return directory, config, symbols, tensors, ckpt
+    return directory, config, symbols, aux, tensors, ckpt
 
 
-def _plan(tensors, ckpt, directory: Path, symbols: dict, body: dict, title: str) -> Plan:
+def _plan(tensors, ckpt, directory: Path, symbols: dict, note: str, body: dict, title: str) -> Plan:
     text = json.dumps(body, indent=2, sort_keys=True) + "\n"
     summary = [
         f"{title}: " + ", ".join(f"{label}={symbols[k]}" for k, label in STRUCTURE_LABELS.items()),
         f"checkpoint: {directory}",
+        note,
         "config.json:",
         *("  " + line for line in text.splitlines()),
     ]
     return Plan(
-        tensors, {"format": "pt"}, {"config.json": text.encode()}, source=ckpt, summary=summary, single_file=True
+        tensors,
+        {"format": "pt"},
+        {"config.json": text.encode()},
+        source=ckpt,
+        summary=summary,
+        single_file=True,
+        notices=[note],
     )
 
 
-def eagle3_plan(path: str | os.PathLike, rules: Rules | None = None, *, verifier: str | None = None) -> Plan:
+def eagle3_plan(
+    path: str | os.PathLike,
+    rules: Rules | None = None,
+    *,
+    verifier: str | None = None,
+    aux_layer_ids: Sequence[int] | str | None = None,
+) -> Plan:
     """Compile the native EAGLE-3 export (``LlamaForCausalLMEagle3``, loaded by vLLM and
     SGLang) of the Automodel draft at ``path``: a step directory, its ``model/consolidated``
-    or a step holding only shards. Only cast rules may accompany it."""
+    or a step holding only shards. ``aux_layer_ids`` (Automodel's convention: the outputs of
+    those target layers) overrides the ids the step records. Only cast rules may accompany it."""
     if verifier is not None:
         raise UsageError("--verifier applies to --plan eagle3-speculators only")
-    directory, config, symbols, tensors, ckpt = _compile(path, rules, "eagle3")
-    body = serving_config(config, symbols, (rules or Rules()).dtype)
-    return _plan(tensors, ckpt, directory, symbols, body, f"EAGLE-3 draft for {ENGINE_VERSIONS}")
+    directory, config, symbols, aux, tensors, ckpt = _compile(path, rules, "eagle3", aux_layer_ids)
+    body = serving_config(config, symbols, aux, (rules or Rules()).dtype)
+    note = aux.note(AUX_ID_KEYS)
+    return _plan(tensors, ckpt, directory, symbols, note, body, f"EAGLE-3 draft for {ENGINE_VERSIONS}")
 
 
 def eagle3_speculators_plan(
-    path: str | os.PathLike, rules: Rules | None = None, *, verifier: str | None = None
+    path: str | os.PathLike,
+    rules: Rules | None = None,
+    *,
+    verifier: str | None = None,
+    aux_layer_ids: Sequence[int] | str | None = None,
 ) -> Plan:
     """Compile the same tensors under a speculators 0.9 config whose verifier is
     ``verifier`` (a Hugging Face id or path; required)."""
     if not verifier or not isinstance(verifier, str) or not verifier.strip():
         raise UsageError("--plan eagle3-speculators needs --verifier ORG/NAME (the target model)")
-    directory, config, symbols, tensors, ckpt = _compile(path, rules, "eagle3-speculators")
+    directory, config, symbols, aux, tensors, ckpt = _compile(path, rules, "eagle3-speculators", aux_layer_ids)
+    if flag(config, "norm_before_fc") and flag(config, "fc_norm"):
+        raise PlanError(
+            f"norm_before_fc and fc_norm are both true: speculators {SPECULATORS_VERSION} takes one or the "
+            "other; use --plan eagle3",
+            directory / "config.json",
+        )
     if symbols["T"] != symbols["H"]:
         raise PlanError(
             f"target_hidden_size {symbols['T']} differs from hidden_size {symbols['H']}: speculators "
             f"{SPECULATORS_VERSION} builds fc and fc_norm on hidden_size; use --plan eagle3",
             directory / "config.json",
         )
-    body = speculators_config(config, symbols, verifier, (rules or Rules()).dtype)
-    return _plan(tensors, ckpt, directory, symbols, body, f"EAGLE-3 draft for speculators {SPECULATORS_VERSION}")
+    body = speculators_config(config, symbols, aux, verifier, (rules or Rules()).dtype)
+    note = aux.note(SPECULATORS_AUX_KEYS)
+    return _plan(tensors, ckpt, directory, symbols, note, body, f"EAGLE-3 draft for speculators {SPECULATORS_VERSION}")
