@@ -109,9 +109,14 @@ def test_a_rank_file_with_a_bad_crc_is_one_line(zero_cases, tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
 
 
-def test_notices_for_a_param_of_no_elements_and_an_f64_buffer(tmp_path):
-    steps = zero_fixtures.make_odd_checkpoints(tmp_path)
-    for stage, step in steps.items():
+@pytest.fixture(scope="module")
+def odd_steps(tmp_path_factory):
+    return zero_fixtures.make_odd_checkpoints(tmp_path_factory.mktemp("odd"))
+
+
+def test_notices_for_a_param_of_no_elements_and_an_f64_buffer(odd_steps):
+    for stage in (1, 2):
+        step = odd_steps[stage]
         ckpt = open_checkpoint(step)
         notes = " | ".join(ckpt.notices)
         assert ckpt.tensors["empty"].shape == (0,) and ckpt.tensors["f64"].dtype == "F64"
@@ -120,3 +125,13 @@ def test_notices_for_a_param_of_no_elements_and_an_f64_buffer(tmp_path):
         assert "f64 are kept as saved (F64); zero_to_fp32 makes every floating buffer F32" in notes, notes
         r = cli("ls", step)
         assert r.returncode == 0 and ". (+-1 more)" not in r.stdout, r.stdout
+
+
+def test_lightning_client_state_is_inert_data(odd_steps, tmp_path):
+    ckpt = odd_steps["lightning"]
+    r = cli("rewrite", ckpt, "-o", tmp_path / "out.safetensors")
+    assert r.returncode == 0, r.stderr
+    assert "client state objects argparse.Namespace, lightning.fabric.utilities.data.AttributeDict" in r.stderr
+    assert "read as inert data, never run" in r.stderr
+    assert sorted(load_file(tmp_path / "out.safetensors")) == ["empty", "f64", "lin.bias", "lin.weight"]
+    assert open_checkpoint(ckpt).root == ckpt / "checkpoint"  # the tag Lightning saves under

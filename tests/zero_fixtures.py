@@ -248,11 +248,31 @@ def _odd_worker(rank: int, port: int, base: str) -> None:
         engine.backward(engine(torch.ones(1, 4)))
         engine.step()
         engine.save_checkpoint(f"{base}/z{stage}", tag="global_step1")
+    # Lightning's DeepSpeedStrategy.save_checkpoint (2.6.1) hands DeepSpeed its checkpoint dict,
+    # less state_dict and optimizer_states, as client_state under the tag "checkpoint"; its
+    # strategy refuses to run without CUDA, so the dict is the one its dump_checkpoint builds.
+    import argparse
+
+    import lightning
+    from lightning.fabric.utilities.data import AttributeDict
+
+    client = {
+        "epoch": 0,
+        "global_step": 1,
+        "pytorch-lightning_version": lightning.__version__,
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 1}}}},
+        "callbacks": {},
+        "lr_schedulers": [],
+        "hparams_name": "kwargs",
+        "hyper_parameters": {"lr": 0.1, "args": argparse.Namespace(layers=2), "extra": AttributeDict(seed=7)},
+    }
+    engine.save_checkpoint(f"{base}/epoch=0-step=1.ckpt", client_state=client, tag="checkpoint")
 
 
 def make_odd_checkpoints(root: Path) -> dict[int, Path]:
     """ZeRO-1 and ZeRO-2 checkpoints (``global_step1`` by stage) of a model with a trainable
-    param of no elements (``empty``) and an F64 buffer (``f64``), written by DeepSpeed."""
+    param of no elements (``empty``) and an F64 buffer (``f64``), written by DeepSpeed; under
+    key ``"lightning"``, the ZeRO-2 one saved as Lightning saves (``epoch=0-step=1.ckpt/``)."""
     import torch.multiprocessing as mp
 
     port = _free_port()
@@ -260,7 +280,8 @@ def make_odd_checkpoints(root: Path) -> dict[int, Path]:
         mp.start_processes(_odd_worker, args=(port, str(root)), nprocs=1, start_method="spawn")
     finally:
         _drop_shm(port)
-    return {stage: Path(root) / f"z{stage}" / "global_step1" for stage in (1, 2)}
+    found = {stage: Path(root) / f"z{stage}" / "global_step1" for stage in (1, 2)}
+    return {**found, "lightning": Path(root) / "epoch=0-step=1.ckpt"}
 
 
 if __name__ == "__main__":

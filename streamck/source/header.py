@@ -84,6 +84,8 @@ class TensorRef(NamedTuple):
     def runs(self) -> Iterator[Run]:
         """The byte runs whose concatenation is this tensor, lazily (see streamck.source.runs)."""
         if self.tiles is not None:
+            if not self.tiles:  # no elements
+                return iter(())
             grid = self.shape if len(self.tiles[0].offsets) == len(self.shape) else (self.numel,)
             return tile_runs(grid, BITS[self.dtype] // 8, self.tiles)
         if self.strides is not None:

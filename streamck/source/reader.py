@@ -260,7 +260,7 @@ class TensorStream:
 def _row_blocks(ref: TensorRef) -> RowBlocks | None:
     """The row-block view of a tiled tensor whose tiles do not all span whole rows (those
     are a few long runs, read as runs)."""
-    if ref.tiles is None:
+    if not ref.tiles:  # untiled, or no elements
         return None
     grid = ref.shape if len(ref.tiles[0].offsets) == len(ref.shape) else (ref.numel,)
     blocks = RowBlocks.of(grid, BITS[ref.dtype] // 8, ref.tiles)

@@ -36,7 +36,7 @@ from typing import NamedTuple
 from streamck.errors import CheckpointError, listing
 from streamck.source.runs import Tile, tiling_error
 from streamck.source.torchzip import _Lazy
-from streamck.source.zero_files import Cursor, Flat, RankFile, save_stamp, shape_of, stage_of
+from streamck.source.zero_files import Cursor, Flat, RankFile, data_only, save_stamp, shape_of, stage_of
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -237,6 +237,9 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], dict[str, str], list[st
             raise CheckpointError(f"{p.name} is missing", step_dir)
         models = [RankFile(p)]
     _same_save([*ranks, *models])
+    inert = sorted(set().union(*(data_only(m.obj) for m in models)))
+    if inert:
+        notices.append(f"client state objects {listing(inert, 3)} read as inert data, never run")
     for m in models:
         if any(k in m.obj for k in AUTOEP_KEYS if m.obj.get(k)):
             raise CheckpointError("AutoEP MoE layers: expert-parallel ZeRO state is not supported", m.path)

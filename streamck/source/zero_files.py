@@ -46,11 +46,37 @@ _TENSOR_TYPES = {
 }
 
 
+# Plain-data objects a trainer's client state puts into the model-states pickle (Lightning's
+# DeepSpeedStrategy passes its whole checkpoint dict: hyperparameters as ``AttributeDict`` or
+# ``Namespace``): read as inert stand-ins that hold what was pickled, like DeepSpeed's own.
+DATA_ONLY = {
+    ("argparse", "Namespace"): _Opaque,
+    ("lightning.fabric.utilities.data", "AttributeDict"): dict,
+    ("lightning_fabric.utilities.data", "AttributeDict"): dict,
+    ("lightning.pytorch.utilities.parsing", "AttributeDict"): dict,
+    ("pytorch_lightning.utilities.parsing", "AttributeDict"): dict,
+}
+
+
 def _stub(module: str, name: str) -> type:
     cls = _STUBS.get((module, name))
     if cls is None:
-        cls = _STUBS[(module, name)] = type(name, (_Opaque,), {"__module__": module, "__qualname__": name})
+        base = DATA_ONLY.get((module, name), _Opaque)
+        attrs = {"__module__": module, "__qualname__": name, "data_only": (module, name) in DATA_ONLY}
+        cls = _STUBS[(module, name)] = type(name, (base,), attrs)
     return cls
+
+
+def data_only(obj: object, depth: int = 6) -> set[str]:
+    """The plain-data stand-ins (DATA_ONLY) anywhere in ``obj``, by dotted class name."""
+    found = set()
+    if getattr(type(obj), "data_only", False):
+        found.add(f"{type(obj).__module__}.{type(obj).__name__}")
+    if depth:
+        kids = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+        for kid in kids:
+            found |= data_only(kid, depth - 1)
+    return found
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
@@ -68,7 +94,7 @@ def _codecs_encode(text, encoding="latin1"):
 
 class _ZeroPickle(_WeightsOnly):
     def find_class(self, module: str, name: str):
-        if module == "deepspeed" or module.startswith("deepspeed."):
+        if module == "deepspeed" or module.startswith("deepspeed.") or (module, name) in DATA_ONLY:
             return _stub(module, name)
         if module == "torch" and name == "Size":
             return tuple
