@@ -182,8 +182,8 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from streamck.check import diff
 
-    a = _side(args.a, args, args.zero in ("a", "both"))
-    b = _side(args.b, args, args.zero in ("b", "both"))
+    a = _side(args.a, args, args.zero or args.zero_a)
+    b = _side(args.b, args, args.zero or args.zero_b)
     result = diff(a, b, ignore=tuple(args.ignore or ()), data=args.data)
     args.status = 0 if result.equal else 1  # the answer, even if stdout closes (diff A B | head)
     if args.json:
@@ -220,12 +220,10 @@ def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None
         parser.add_argument("--step", help="in a training run root: a step number, or latest")
     parser.add_argument("--key", help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict)")
     zero = "read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
+    parser.add_argument("--zero", action="store_true", help=zero + (" (both sides)" if diff else ""))
     if diff:
-        parser.add_argument(
-            "--zero", nargs="?", const="both", choices=("a", "b", "both"), help=f"{zero}: on side a, b or both"
-        )
-    else:
-        parser.add_argument("--zero", action="store_true", help=zero)
+        parser.add_argument("--zero-a", action="store_true", help=f"{zero}, on side a only")
+        parser.add_argument("--zero-b", action="store_true", help=f"{zero}, on side b only")
     parser.add_argument(
         "--keep-tied",
         action="store_true",

@@ -15,13 +15,13 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
+import trainer_fixtures
 from helpers import cli
 from safetensors.torch import load_file
 
 from streamck import open_checkpoint
 
-CASES = ["z3_tied_bf16_gathered", "z3_untied_fp32", "z2_untied_bf16_frozen", "z1_bf16_fp32accum",
-         "z1_tied_fp32_frozen_w3", "z3_tied_bf16_w3"]  # fmt: skip
+CASES = [c["name"] for c in trainer_fixtures.cases()]
 
 
 def oracle(case: dict) -> dict[str, torch.Tensor]:
@@ -64,6 +64,7 @@ def equals_oracle(got: dict[str, torch.Tensor], case: dict) -> None:
         if name in got:
             assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
     assert set(want) - set(got) <= ({"lm_head.weight"} if case["tied"] else set())
+    assert set(got) <= set(want) | {"model.embed_tokens.weight"}  # ZeRO-1's frozen one, from the module
     assert all(t.numel() for t in got.values())
 
 
@@ -124,6 +125,8 @@ def test_size0_tensors_not_in_the_zero_state_are_refused(trainer_cases, tmp_path
     ("z3_untied_fp32", "*rank_1_*optim_states.pt"),
     ("z3_untied_fp32", "*rank_1_*model_states.pt"),
     ("z2_untied_bf16_frozen", "*rank_1_*optim_states.pt"),
+    ("z2_untied_bf16_frozen", "mp_rank_00_model_states.pt"),
+    ("z1_tied_fp32_frozen_w3", "mp_rank_00_model_states.pt"),
 ])  # fmt: skip
 def test_stale_rank_file_is_refused_naming_both_files(trainer_cases, tmp_path, name, pattern):
     case = trainer_cases[name]
@@ -133,7 +136,7 @@ def test_stale_rank_file_is_refused_naming_both_files(trainer_cases, tmp_path, n
     shutil.copy(stale, target)  # rank 1's file of step 1, same world size
     r = cli("rewrite", ck, "--zero", "-o", tmp_path / "hf")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
-    assert stale.name in r.stderr and "rank_0" in r.stderr and "different saves" in r.stderr
+    assert stale.name in r.stderr and "different saves" in r.stderr and "1" in r.stderr and "2" in r.stderr
     assert not (tmp_path / "hf").exists()
 
 
@@ -157,6 +160,15 @@ def test_no_latest_two_step_folders_names_them(trainer_cases, tmp_path):
     assert "no weights here" not in r.stderr
     assert "global_step1, global_step2" in r.stderr and str(ck / "global_step2") in r.stderr
     assert cli("ls", ck / "global_step2").returncode == 0  # what the message says works
+
+
+def test_a_step_folder_given_itself_takes_the_config_above_it(trainer_cases, tmp_path):
+    case = trainer_cases["z3_tied_bf16_w3"]
+    for src, out in ((case["checkpoint"], "a"), (case["checkpoint"] / "global_step2", "b")):
+        r = cli("rewrite", src, "-o", tmp_path / out, "-q")
+        assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert cli("diff", tmp_path / "a", tmp_path / "b", "--data").returncode == 0
 
 
 def test_a_rank_file_given_alone_says_to_pass_its_folder(trainer_cases):
@@ -186,13 +198,13 @@ def test_tied_head_is_written_as_save_pretrained_writes_it(trainer_cases, tmp_pa
 def test_diff_zero_per_side_compares_gathered_weights_with_the_masters(trainer_cases, tmp_path):
     case = trainer_cases["z3_tied_bf16_gathered"]
     ck = case["checkpoint"]
-    r = cli("diff", ck, ck, "--zero", "b")  # gathered bf16 weights vs the fp32 masters
+    r = cli("diff", "--zero-b", ck, ck)  # gathered bf16 weights vs the fp32 masters
     assert r.returncode == 1 and "BF16" in r.stdout and "F32" in r.stdout, r.stdout + r.stderr
     assert "only in" not in r.stdout  # same names: the tied head left out on both sides
     r = cli("rewrite", ck, "--zero", "-o", tmp_path / "hf", "-q")
     assert r.returncode == 0, r.stderr
-    assert cli("diff", tmp_path / "hf", ck, "--zero", "b", "--data").returncode == 0
-    r = cli("diff", tmp_path / "hf", ck, "--zero")  # both sides: the plain folder has none
+    assert cli("diff", tmp_path / "hf", ck, "--zero-b", "--data").returncode == 0
+    r = cli("diff", "--zero", tmp_path / "hf", ck)  # both sides: the plain folder has none
     assert r.returncode == 2 and "no DeepSpeed ZeRO state" in r.stderr
 
 

@@ -253,8 +253,11 @@ def _odd_worker(rank: int, port: int, base: str) -> None:
     # strategy refuses to run without CUDA, so the dict is the one its dump_checkpoint builds.
     import argparse
 
-    import lightning
-    from lightning.fabric.utilities.data import AttributeDict
+    try:
+        import lightning
+        from lightning.fabric.utilities.data import AttributeDict
+    except ImportError:  # scripts/test installs it; the test that needs it says so
+        return
 
     client = {
         "epoch": 0,

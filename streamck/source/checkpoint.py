@@ -13,7 +13,7 @@ from pathlib import Path
 
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
-from streamck.source.crosscheck import cross_check
+from streamck.source.crosscheck import cross_check, side_object
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
@@ -41,8 +41,7 @@ class Checkpoint:
     single file); ``files`` maps each shard to the stamp taken when it was indexed;
     ``notices`` are lines a user should see (items skipped as not tensors, the sub-dict
     of a torch pickle read): the library never prints them;
-    ``side_root`` holds the config and tokenizer files (``root`` when None);
-    ``aliases`` are tied names (alias → the name it ties to) written under both names.
+    ``side_root`` holds the config and tokenizer files (``root`` when None).
     """
 
     path: Path
@@ -52,7 +51,6 @@ class Checkpoint:
     files: dict[Path, FileStamp] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
     side_root: Path | None = None
-    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_size(self) -> int:
@@ -127,7 +125,7 @@ def open_checkpoint(
     Where a weights file and ZeRO state are both there, the weights are read unless
     ``zero``, or unless the file holds no tensors or size-0 placeholders (ZeRO-3's): then
     every tensor comes from the ZeRO state. A ZeRO checkpoint whose ``config.json`` says
-    ``tie_word_embeddings`` leaves its tied aliases out, as ``save_pretrained`` does,
+    ``tie_word_embeddings`` leaves its tied output head out, as ``save_pretrained`` does,
     unless ``keep_tied``.
     Raises CheckpointError for anything malformed.
     """
@@ -214,7 +212,7 @@ _name = itemgetter(0)  # TensorRef.name, at C speed
 def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied: bool = False) -> Checkpoint:
     layout = find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
-        return _index_zero(path, layout.zero or layout.root, layout.side_root or layout.root, keep_tied)
+        return _untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind != "files":
@@ -241,8 +239,10 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     # ...and the map names nothing else: then it is exact.
     if layout.weight_map is not None and len(layout.weight_map) != len(tensors):
         raise _map_error(layout, tensors)
-    if layout.zero_unclear is not None and (not tensors or not all(t.numel for t in tensors.values())):
-        raise layout.zero_unclear  # placeholders, and the ZeRO state to read instead is a guess
+    if layout.zero_unclear is not None:
+        if not tensors or not all(t.numel for t in tensors.values()):
+            raise layout.zero_unclear  # placeholders, and the ZeRO state to read instead is a guess
+        notices.append(f"the ZeRO state beside the weights is not read: {layout.zero_unclear}")
     if layout.zero is not None:
         empty = [n for n, t in tensors.items() if not t.numel]
         found = _placeholders(path, layout, tensors, empty, keep_tied) if not tensors or empty else None
@@ -265,12 +265,12 @@ def _placeholders(
     ``save_pretrained`` writes under ZeRO-3 for every parameter above
     ``stage3_param_persistence_threshold``). Every tensor then comes from the ZeRO state,
     never a mix of the two. None when the size-0 tensors are parameters with no elements."""
-    found = _index_zero(path, layout.zero, layout.root, keep_tied=True)
+    found, aliases = _index_zero(path, layout.zero, layout.root)
     what = layout.index or layout.shards[0]
     rel = _rel(layout.zero, layout.root)
     if not tensors:
         found.notices.insert(0, f"{what.name} holds no tensors: reading every tensor from the ZeRO state in {rel}")
-        return _untie(found, keep_tied)
+        return _untie(found, aliases, keep_tied)
     unknown = [n for n in empty if n not in found.tensors]
     if unknown:
         shown = listing([repr(n) for n in unknown], 3)
@@ -287,51 +287,49 @@ def _placeholders(
         f"{what.name} holds {len(held)} size-0 placeholders ({listing(held, 3)}; ZeRO-3 saves them so): "
         f"reading every tensor from the ZeRO state in {rel}",
     )
-    return _untie(found, keep_tied)
+    return _untie(found, aliases, keep_tied)
 
 
-def _index_zero(path: Path, step_dir: Path, side_root: Path, keep_tied: bool = False) -> Checkpoint:
+def _index_zero(path: Path, step_dir: Path, side_root: Path) -> tuple[Checkpoint, dict[str, str]]:
     """A DeepSpeed ZeRO checkpoint: every parameter's fp32 master weights, its fragments
-    (one per rank file) as tiles over its flattened elements; tied aliases as _untie says."""
+    (one per rank file) as tiles over its flattened elements, tied aliases under every
+    name; and those aliases (alias → the name it ties to)."""
     from streamck.source.zero import read_zero
 
     entries, aliases, notices = read_zero(step_dir)
-    if step_dir != side_root and not (step_dir.parent / "latest").exists():
+    if step_dir != path and not (path / "latest").exists():  # a step folder chosen for the user
         notices.insert(0, f"no 'latest' file in {step_dir.parent.name}: reading its one ZeRO step, {step_dir.name}")
     tensors, paths = _tiled(entries, step_dir)
-    found = Checkpoint(path, step_dir, tensors, {}, {p: FileStamp.of(p) for p in paths}, notices, side_root)
-    found.aliases = aliases
-    return found if keep_tied else _untie(found)
+    files = {p: FileStamp.of(p) for p in paths}
+    return Checkpoint(path, step_dir, tensors, {}, files, notices, side_root), aliases
 
 
-def _untie(ckpt: Checkpoint, keep_tied: bool = False) -> Checkpoint:
-    """Leave out the tied aliases of a ZeRO checkpoint (``lm_head.weight`` of
+# The output embeddings transformers ties to the input embeddings on load when the config
+# says ``tie_word_embeddings``; ``save_pretrained`` leaves them out. Other ties are kept.
+OUTPUT_HEADS = ("lm_head.weight", "embed_out.weight")
+
+
+def _untie(ckpt: Checkpoint, aliases: dict[str, str], keep_tied: bool = False) -> Checkpoint:
+    """Leave out a ZeRO checkpoint's tied output head (``lm_head.weight``, an alias of
     ``model.embed_tokens.weight``) when its ``config.json`` says ``tie_word_embeddings``,
-    as ``save_pretrained`` leaves them out (transformers ties them again on load)."""
-    if keep_tied or not ckpt.aliases or not _ties_embeddings(ckpt.side_root or ckpt.root):
+    as ``save_pretrained`` leaves it out (transformers ties it again on load)."""
+    heads = {a: t for a, t in aliases.items() if a.endswith(OUTPUT_HEADS)}
+    if keep_tied or not heads or not _ties_embeddings(ckpt.side_root or ckpt.root):
         return ckpt
-    for alias in ckpt.aliases:
-        ckpt.tensors.pop(alias, None)
-    pairs = listing([f"{a} (= {t})" for a, t in ckpt.aliases.items()], 3)
+    for alias in heads:
+        del ckpt.tensors[alias]
+    pairs = listing([f"{a} (= {t})" for a, t in heads.items()], 3)
     ckpt.notices.append(
         f"tied {pairs} left out, as save_pretrained writes it (tie_word_embeddings in config.json); "
         "--keep-tied writes every name"
     )
-    ckpt.aliases = {}
     return ckpt
 
 
 def _ties_embeddings(root: Path) -> bool:
     """Whether ``root/config.json`` says ``tie_word_embeddings: true`` (at the top or in
-    ``text_config``); False when there is no such config."""
-    import orjson
-
-    try:
-        config = orjson.loads((root / "config.json").read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return False
-    if not isinstance(config, dict):
-        return False
+    ``text_config``); False when there is no config."""
+    config = side_object(root / "config.json", "is not a JSON object") or {}
     text = config.get("text_config")
     return config.get("tie_word_embeddings") is True or (
         isinstance(text, dict) and text.get("tie_word_embeddings") is True

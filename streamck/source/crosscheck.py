@@ -38,7 +38,7 @@ def cross_check(side_root: Path, tensors: Mapping[str, TensorRef]) -> None:
     _check_rows(side_root / "config.json", tensors)
 
 
-def _side_object(path: Path, not_object: str) -> dict | None:
+def side_object(path: Path, not_object: str) -> dict | None:
     """The JSON object in side file ``path``; None when there is no such file."""
     if not path.is_file():
         return None
@@ -52,7 +52,7 @@ def _side_object(path: Path, not_object: str) -> dict | None:
 
 
 def _check_names(mapping: Path, tensors: Mapping[str, TensorRef]) -> None:
-    names = _side_object(mapping, "is not an object of tensor name to file index")
+    names = side_object(mapping, "is not an object of tensor name to file index")
     if names is None:
         return
     missing = [repr(n) for n in names if n not in tensors]
@@ -64,7 +64,7 @@ def _check_names(mapping: Path, tensors: Mapping[str, TensorRef]) -> None:
 
 
 def _check_rows(config_path: Path, tensors: Mapping[str, TensorRef]) -> None:
-    config = _side_object(config_path, "is not a JSON object")
+    config = side_object(config_path, "is not a JSON object")
     if config is None:
         return
     for name, ref in tensors.items():

@@ -281,7 +281,9 @@ def find_layout(path: Path) -> Layout:
         if shards:
             return Layout(path, shards, zero=zero, zero_unclear=unclear)
     if zero is not None:
-        return Layout(zero, [], kind="zero", side_root=path)
+        # global_stepN/ given itself: Trainer's config and tokenizer are in checkpoint-N/ above
+        side = path.parent if zero == path and (path.parent / "config.json").is_file() else path
+        return Layout(zero, [], kind="zero", side_root=side)
     if unclear is not None:
         raise unclear
     step = _automodel_step(path) if (path / "model").is_dir() else None

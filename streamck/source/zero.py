@@ -29,6 +29,7 @@ Every tensor is described by 1-D tiles over its flattened elements (``offsets (k
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -78,7 +79,11 @@ def find_zero(path: Path) -> Path | None:
         if not _has_zero(path / tag):
             raise CheckpointError(f"names {tag}, which holds no ZeRO optimizer state", latest)
         return path / tag
-    found = sorted((p for p in path.iterdir() if _has_zero(p)), key=_step_order)
+    # DeepSpeed's own tag is global_step<N>: only those folders are looked into (a DCP
+    # folder beside them may hold thousands of files)
+    with os.scandir(path) as it:
+        named = [Path(e.path) for e in it if e.name.startswith("global_step") and e.is_dir()]
+    found = sorted((p for p in named if _has_zero(p)), key=_step_order)
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
         raise CheckpointError(
@@ -109,29 +114,27 @@ def _stage(osd: dict) -> object:
     return None
 
 
-def _same_save(files: list[RankFile]) -> None:
+def _same_save(files: list[RankFile], step_dir: Path) -> None:
     """Refuse rank files that record different saves (a stale file copied from another step):
-    each of save_stamp's values must agree with the first file that records it."""
-    seen: dict[str, tuple[object, RankFile]] = {}
+    each of save_stamp's values must agree across the files that record it, and the engine's
+    ``global_steps`` must be the N of a ``global_stepN`` folder (DeepSpeed's own tag)."""
+    m = re.fullmatch(r"global_step(\d+)", step_dir.name)
+    seen: dict[str, tuple[object, str]] = {"global_steps": (int(m[1]), f"the folder name {m[0]}")} if m else {}
     for rf in files:
         for key, value in save_stamp(rf).items():
-            first = seen.setdefault(key, (value, rf))
+            first = seen.setdefault(key, (value, rf.path.name))
             if first[0] != value:
                 raise CheckpointError(
-                    f"rank files of different saves: {key} is {value!r} here but {first[0]!r} in "
-                    f"{first[1].path.name} (a file copied from another step?)",
-                    rf.path,
+                    f"rank files of different saves: {key} is {value!r} in {rf.path.name} but {first[0]!r} in "
+                    f"{first[1]} (a file copied from another step?)",
+                    step_dir,
                 )
 
 
 def rank_file_error(path: Path) -> CheckpointError | None:
     """The error for ``path`` when it is one rank's file of a ZeRO checkpoint, given alone."""
     if OPTIM_RE.match(path.name) or Z3_MODEL_RE.match(path.name) or MODEL_RE.match(path.name):
-        folder = path.parent
-        return CheckpointError(
-            f"one rank's file of a DeepSpeed ZeRO checkpoint: pass its folder ({folder}) or the checkpoint-N/ above it",
-            path,
-        )
+        return CheckpointError(f"one rank's file of a DeepSpeed ZeRO checkpoint: pass its folder, {path.parent}", path)
     return None
 
 
@@ -176,7 +179,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], dict[str, str], list[st
     first = RankFile(optim[0])
     osd = first.obj.get("optimizer_state_dict")
     if not isinstance(osd, dict) or _stage(osd) is None:
-        raise CheckpointError("no optimizer_state_dict with a zero_stage: not a ZeRO optimizer file", first.path)
+        raise CheckpointError("no optimizer_state_dict with ZeRO partitions: not a ZeRO optimizer file", first.path)
     if osd.get("ds_zero_partition_groups"):
         raise CheckpointError(
             "ZeRO-3 expert partition groups (AutoEP MoE): expert-parallel state is not supported", first.path
@@ -208,7 +211,11 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], dict[str, str], list[st
     for rf in ranks:
         o = rf.obj.get("optimizer_state_dict")
         if not isinstance(o, dict) or _stage(o) != stage or o.get("partition_count") != count:
-            raise CheckpointError(f"stage or partition count differs from rank 0's ({optim[0].name})", rf.path)
+            theirs = (_stage(o), o.get("partition_count")) if isinstance(o, dict) else None
+            raise CheckpointError(
+                f"ZeRO stage and partition count {theirs!r:.40} here, {(stage, count)!r:.40} in {optim[0].name}",
+                rf.path,
+            )
         flat = o.get(key)
         if not isinstance(flat, list):
             raise CheckpointError(f"no {key} list in the optimizer state", rf.path)
@@ -236,7 +243,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], dict[str, str], list[st
         if not p.is_file():
             raise CheckpointError(f"{p.name} is missing", step_dir)
         models = [RankFile(p)]
-    _same_save([*ranks, *models])
+    _same_save([*ranks, *models], step_dir)
     inert = sorted(set().union(*(data_only(m.obj) for m in models)))
     if inert:
         notices.append(f"client state objects {listing(inert, 3)} read as inert data, never run")
@@ -333,7 +340,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], dict[str, str], list[st
         if frozen:
             notices.append(
                 f"frozen params {listing(frozen, 4)} read from the module copy in {model.path.name} "
-                f"({entries[frozen[0]].dtype}{'; zero_to_fp32 leaves them out' if stage == 1 else ''})"
+                f"({entries[frozen[0]].dtype}{'; zero_to_fp32 leaves them out' if 'zero_stage' in osd else ''})"
             )
         if empty:
             notices.append(f"params with no elements {listing(empty, 4)} written as saved in {model.path.name}")

@@ -176,7 +176,15 @@ def save_stamp(rf: RankFile) -> dict[str, object]:
     if isinstance(osd, dict):
         if isinstance(osd.get("ds_version"), str):
             stamp["ds_version"] = osd["ds_version"]
-        steps = {_step_value(rf, v) for v in _find_key(osd, "step", 6)} - {None}
+        values = list(_find_key(osd, "step", 6))
+        steps = {v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        tensors = [v for v in values if isinstance(v, _Lazy) and v.dtype in _SCALAR and math.prod(v.size) == 1]
+        if tensors:  # torch's AdamW keeps its step as a one-element tensor per param group
+            fd = os.open(rf.path, os.O_RDONLY)
+            try:
+                steps |= {_read_scalar(fd, rf.flat(t, "optimizer step")) for t in tensors}
+            finally:
+                os.close(fd)
         if steps:
             stamp["optimizer step"] = max(steps)
     return stamp
@@ -197,19 +205,8 @@ def _find_key(obj: object, key: str, depth: int):
             yield from _find_key(v, key, depth - 1)
 
 
-def _step_value(rf: RankFile, v: object) -> int | float | None:
-    """An optimizer step count: a number, or a one-element tensor (torch's AdamW), read."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return v
-    if isinstance(v, _Lazy) and v.dtype in _SCALAR and math.prod(v.size) == 1:
-        f = rf.flat(v, "optimizer step")
-        fd = os.open(f.path, os.O_RDONLY)
-        try:
-            raw = os.pread(fd, BITS[f.dtype] // 8, f.start)
-        finally:
-            os.close(fd)
-        return struct.unpack(_SCALAR[f.dtype], raw)[0]
-    return None
+def _read_scalar(fd: int, f: Flat) -> int | float:
+    return struct.unpack(_SCALAR[f.dtype], os.pread(fd, BITS[f.dtype] // 8, f.start))[0]
 
 
 def shape_of(v: object, what: str, path: Path) -> tuple[int, ...]:
