@@ -15,7 +15,17 @@ from typing import Any
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
 from streamck.errors import UsageError
-from streamck.plan import AUX_LAYER_PLANS, BUILTIN_PLANS, VERIFIER_PLANS, Plan, Rule, Rules, compile_plan, load_rules
+from streamck.plan import (
+    AUX_LAYER_PLANS,
+    BUILTIN_PLANS,
+    HF_CONFIG_PLANS,
+    VERIFIER_PLANS,
+    Plan,
+    Rule,
+    Rules,
+    compile_plan,
+    load_rules,
+)
 from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint, open_checkpoint
 from streamck.source.layout import pick_step
@@ -45,6 +55,7 @@ def build_plan(
     copy_files: bool = True,
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
+    hf_config: str | os.PathLike | None = None,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files.
@@ -68,11 +79,17 @@ def build_plan(
             if os.fspath(plan) not in AUX_LAYER_PLANS:
                 raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
             extra["aux_layer_ids"] = aux_layer_ids
+        if hf_config is not None:
+            if os.fspath(plan) not in HF_CONFIG_PLANS:
+                raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
+            extra["hf_config"] = hf_config
         return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
     if verifier is not None:
         raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
     if aux_layer_ids is not None:
         raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
+    if hf_config is not None:
+        raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     return compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
 
@@ -101,6 +118,7 @@ def rewrite(
     drop_cache: bool = False,
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
+    hf_config: str | os.PathLike | None = None,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -113,7 +131,8 @@ def rewrite(
     pickle or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the
     target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
     (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
-    an ``eagle3`` plan's step records; ``jobs`` writes that many shards at
+    an ``eagle3`` plan's step records; ``hf_config`` is the Hugging Face config.json giving
+    a trainer plan's model sizes (``plan="torchtitan-llama3"``); ``jobs`` writes that many shards at
     once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
     Memory stays near one chunk (per job).
 
@@ -140,6 +159,7 @@ def rewrite(
         copy_files=copy_files,
         verifier=verifier,
         aux_layer_ids=aux_layer_ids,
+        hf_config=hf_config,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(

@@ -51,6 +51,8 @@ class TensorRef(NamedTuple):
     (streamck.source.strided). ``tiles`` is set for a tensor stored in blocks (one per
     rank): then ``path`` is the first block's file, ``end - start`` the logical size,
     and the blocks tile the tensor (or, when they are 1-D, its flattened elements).
+    ``parts`` is set for a tensor gathered from others' rows (streamck.source.select):
+    its bytes are the parts' bytes one after another, ``path`` the first part's.
     ``end - start`` is always the tensor's byte size.
     """
 
@@ -62,6 +64,7 @@ class TensorRef(NamedTuple):
     end: int
     strides: tuple[int, ...] | None = None
     tiles: tuple[Tile, ...] | None = None
+    parts: tuple[TensorRef, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,12 +80,16 @@ class TensorRef(NamedTuple):
     @property
     def paths(self) -> tuple[Path, ...]:
         """Every file that holds some of this tensor's bytes."""
+        if self.parts is not None:
+            return tuple(dict.fromkeys(p for part in self.parts for p in part.paths))
         if self.tiles is None:
             return (self.path,)
         return tuple(dict.fromkeys(t.path for t in self.tiles))
 
     def runs(self) -> Iterator[Run]:
         """The byte runs whose concatenation is this tensor, lazily (see streamck.source.runs)."""
+        if self.parts is not None:
+            return (run for part in self.parts for run in part.runs())
         if self.tiles is not None:
             if not self.tiles:  # no elements
                 return iter(())
@@ -212,7 +219,8 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
             end = stop
             tensors.append(
                 _new_ref(
-                    TensorRef, (name, dtype, tuple(shape), path, data_start + start, data_start + stop, None, None)
+                    TensorRef,
+                    (name, dtype, tuple(shape), path, data_start + start, data_start + stop, None, None, None),
                 )
             )
         if not in_order:  # writers usually list tensors by offset; others get sorted and checked

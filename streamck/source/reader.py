@@ -105,7 +105,12 @@ class Reader:
 
     def copy(self, ref: TensorRef, out: int, progress: Callable[[int], None] = lambda n: None) -> None:
         """Append ``ref``'s bytes to the fd ``out``: long runs kernel-side, the rest
-        through the buffer; views and blocks narrower than a row are gathered."""
+        through the buffer; views and blocks narrower than a row are gathered; a tensor
+        of parts is its parts in order."""
+        if ref.parts is not None:
+            for part in ref.parts:
+                self.copy(part, out, progress)
+            return
         if ref.strides is not None or _row_blocks(ref) is not None:  # gathered, not copied
             for view in self.windows(ref):
                 write_all(out, view)
@@ -221,11 +226,13 @@ class TensorStream:
         self._runs: Iterator[Run] | None = None
         self._grid = _row_blocks(ref)
         self._pos = 0
+        self._parts = iter(ref.parts) if ref.parts is not None else None
+        self._part: TensorStream | None = None
         if ref.strides is not None:
             from streamck.source.strided import gather
 
             self._blocks = gather(ref, reader.chunk, reader.fd(ref.path))
-        elif self._grid is None:
+        elif self._grid is None and self._parts is None:
             self._runs = ref.runs()
         self._rest: Run | memoryview | None = None  # what the last call left of a run or block
 
@@ -233,7 +240,12 @@ class TensorStream:
         """Fill ``view`` with the next bytes; returns how many (less only at the end)."""
         want = min(len(view), self.left)
         done = 0
-        if self._grid is not None:
+        if self._parts is not None:
+            while done < want:
+                if self._part is None or not self._part.left:
+                    self._part = TensorStream(self.reader, next(self._parts))
+                done += self._part.readinto(view[done:want])
+        elif self._grid is not None:
             _fill_rows(self.reader, self._grid, view[:want], self._pos)
             self._pos += want
             done = want
