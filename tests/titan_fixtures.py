@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import types
 from pathlib import Path
+
+from standins import without_triton
 
 WORLD = 2
 SEQ = 12
@@ -40,47 +41,12 @@ MODELS = {
 }
 
 
-class _Any:
-    """Whatever torchtitan's Triton kernels ask of ``triton`` at import time."""
-
-    def __getattr__(self, name: str) -> _Any:
-        return _Any()
-
-    def __call__(self, *args, **kwargs):
-        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else _Any()
-
-    def __getitem__(self, key) -> _Any:
-        return _Any()
-
-
-class _Module(types.ModuleType):
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Any()
-
-
 def import_torchtitan() -> None:
-    """Import torchtitan's models with a stand-in ``triton``, removed again afterwards so
-    torch's compiler (FlexAttention) keeps seeing none."""
-    import torch._dynamo
-    import torch._inductor.compile_fx
-    import torch._inductor.ir
-    import torch._inductor.runtime.triton_compat  # noqa: F401
-    from torch.utils._triton import has_triton_package
-
-    has_triton_package()
-    names = ("triton", "triton.language")
-    for name in names:
-        sys.modules[name] = _Module(name)
-    sys.modules["triton"].language = sys.modules["triton.language"]
-    try:
+    """Import torchtitan's models and checkpointer (see standins.without_triton)."""
+    with without_triton():
         import torchtitan.components.checkpoint
         import torchtitan.models.llama3
         import torchtitan.models.qwen3  # noqa: F401
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
 
 
 def model_config(name: str):
