@@ -5,7 +5,8 @@ folder of ``root`` (the oracle for each is torch's own ``dcp_to_torch_save``, or
 torch cannot read the whole save back, the full tensors in ``*.reference.pt``):
 
 * ``fsdp2``: FSDP2 ``fully_shard`` over 4 ranks, one AdamW step, ``get_state_dict``'s
-  model and optimizer beside a train state: ``{"model", "optimizer", "train_state"}``.
+  model and optimizer beside a train state: ``{"model", "optimizer", "train_state"}``;
+  ``app``: the same as the DCP tutorial saves it, ``{"app": AppState}`` (``app.model.*``).
 * ``tp``: FSDP + TP on a 2x2 mesh (``_StridedShard``); ``hsdp``: HSDP on a 2x2 mesh.
 * ``ddp``: DDP with a ``channels_last`` conv, plus a transposed view: strided blobs.
 * ``grid``: ``distribute_tensor`` on a 2x2 mesh with ``[Shard(0), Shard(1)]``: a (1, 6)
@@ -29,7 +30,7 @@ import torch
 
 WORLD = 4
 MANY = 300
-LAYOUTS = ("fsdp2", "tp", "hsdp", "ddp", "grid", "multi", "plans", "percoll", "noflat", "noflat_dtensor", "many")
+LAYOUTS = ("fsdp2", "app", "tp", "hsdp", "ddp", "grid", "multi", "plans", "percoll", "noflat", "noflat_dtensor", "many")
 
 
 class Tiny(torch.nn.Module):
@@ -80,9 +81,27 @@ def _fsdp2(root: Path, rank: int) -> None:
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optimizer": osd, "train_state": {"step": 1}}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(root / "fsdp2")))
+    # The DCP tutorial's AppState: {"app": Stateful} whose state_dict is {"model", "optim"}
+    dcp.save({"app": _AppState(model, optimizer)}, storage_writer=dcp.FileSystemWriter(str(root / "app")))
     # flatten_state_dict=False: each top-level dict is one pickled object of DTensors
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False)
     dcp.save({"model": msd}, storage_writer=dcp.FileSystemWriter(str(root / "noflat_dtensor")), planner=planner)
+
+
+class _AppState:
+    """The Stateful of torch's DCP tutorial (recipes/distributed_checkpoint_recipe)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError
 
 
 def _tp_and_hsdp(root: Path, rank: int) -> None:

@@ -119,7 +119,9 @@ def open_checkpoint(
     a step directory whose weights are in ``model/consolidated``, or, with ``step``
     (a number or ``"latest"``), a run root of ``checkpoint-<step>`` folders.
     In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
-    ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip).
+    ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip),
+    and in a DCP checkpoint only the items under that dotted prefix (``model``,
+    ``app.model``), the prefix taken off (see streamck.source.dcp.select).
     DCP checkpoints (sharded safetensors, ``.distcp``), Automodel steps and DeepSpeed
     ZeRO checkpoints (``checkpoint-N/``, ``global_stepN/``) are consolidated on the fly.
     Where a weights file and ZeRO state are both there, the weights are read unless

@@ -201,11 +201,12 @@ def _weights_flag(counts: dict[str, list[int]]) -> str:
     return f"; rewrite {drops} leaves the weights" if drops else ""
 
 
-def skipped_notes(names: list[str]) -> list[str]:
-    """One line per top-level group of skipped non-tensor items, with a count (no action needed)."""
+def skipped_notes(names: list[str], prefix: str = "") -> list[str]:
+    """One line per top-level group (under ``prefix``) of skipped non-tensor items, with a
+    count: they need no action."""
     groups: dict[str, list[str]] = {}
     for n in names:
-        groups.setdefault(n.split(".", 1)[0], []).append(n)
+        groups.setdefault(prefix + n[len(prefix) :].split(".", 1)[0], []).append(n)
     return [
         Info(f"{g}: {len(ns)} non-tensor item{'s' * (len(ns) > 1)} skipped ({listing(ns, 4)})")
         for g, ns in groups.items()
@@ -222,11 +223,11 @@ def select(tensors: list[str], others: list[str], key: str | None, where: Path) 
     if key is None:  # the groups are said when training state is among them: an action to take
         state = any(g.rsplit(".", 1)[-1] in TRAINING_STATE for g in counts)
         notes = [f"top-level groups: {_shown(counts)}{_weights_flag(counts)}"] if state else []
-        return {n: n for n in tensors}, notes + skipped_notes(others)
+        return {n: n for n in tensors}, notes + skipped_notes(others, prefix)
     head = key.rstrip(".") + "."
     chosen = {n: n[len(head) :] for n in tensors if n.startswith(head)}
     if not chosen:
         raise CheckpointError(f"no tensors under key {key!r}; top-level groups: {_shown(counts) or 'none'}", where)
     left = {g: c for g, c in counts.items() if not (g + ".").startswith(head) and not head.startswith(g + ".")}
     notes = [Info(f"--key {key}: {len(chosen)} tensors read; left out: {_shown(left)}")] if left else []
-    return chosen, notes + skipped_notes([n for n in others if n.startswith(head)])
+    return chosen, notes + skipped_notes([n for n in others if n.startswith(head)], prefix)
