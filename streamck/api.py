@@ -133,7 +133,7 @@ def rewrite(
     target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
     (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
     an ``eagle3`` plan's step records; ``hf_config`` is the Hugging Face config.json giving
-    a trainer plan's model sizes (``plan="torchtitan-llama3"``); ``jobs`` writes that many shards at
+    a trainer plan's model sizes (``plan="torchtitan-llama3"``, ``"megatron-gpt"``); ``jobs`` writes that many shards at
     once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
     Memory stays near one chunk (per job).
 

@@ -33,10 +33,12 @@ from standins import without_triton
 WORLD = 2
 ITERATION = 10
 SEQ = 12
-# name -> (layers, hidden, heads, groups, kv_channels, ffn, vocab, padded vocab, qkv bias, tied)
+# name -> (layers, hidden, heads, groups, kv_channels, ffn, vocab, padded vocab, qkv bias, tied,
+#          RoPE on interleaved pairs, q/k norms)
 MODELS = {
-    "gpt": (2, 64, 4, 2, 16, 96, 250, 256, False, False),
-    "gpt_bias": (2, 48, 8, 2, 6, 80, 200, 256, True, True),
+    "gpt": (2, 64, 4, 2, 16, 96, 250, 256, False, False, False, False),
+    "gpt_bias": (2, 48, 8, 2, 6, 80, 200, 256, True, True, False, False),
+    "gpt_qk": (2, 64, 4, 4, 8, 96, 256, 256, False, False, True, True),
 }
 
 
@@ -69,14 +71,15 @@ def build(name: str, tp: int):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layers, hidden, heads, groups, kv, ffn, _, padded, bias, tied = MODELS[name]
+    layers, hidden, heads, groups, kv, ffn, _, padded, bias, tied, interleaved, qk = MODELS[name]
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups, kv_channels=kv,
         ffn_hidden_size=ffn, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=1e-5, add_bias_linear=False, add_qkv_bias=bias, use_cpu_initialization=True,
         tensor_model_parallel_size=tp, init_method_std=0.1, hidden_dropout=0.0, attention_dropout=0.0,
+        rotary_interleaved=interleaved, qk_layernorm=qk,
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk)
     return GPTModel(
         config, transformer_layer_spec=spec, vocab_size=padded, max_sequence_length=64, parallel_output=False,
         position_embedding_type="rope", rotary_base=10000, share_embeddings_and_output_weights=tied,
@@ -84,31 +87,36 @@ def build(name: str, tp: int):
 
 
 def args(name: str) -> Namespace:
-    """What Megatron's argument parser records for the model (megatron/training/arguments.py names)."""
-    layers, hidden, heads, groups, kv, ffn, vocab, padded, bias, tied = MODELS[name]
+    """What Megatron's argument parser records for the model (megatron/training/arguments.py names);
+    its enums and torch dtypes as they are, so the checkpoint's pickle holds them too."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    layers, hidden, heads, groups, kv, ffn, vocab, padded, bias, tied, interleaved, qk = MODELS[name]
     return Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         group_query_attention=True, num_query_groups=groups, kv_channels=kv, padded_vocab_size=padded,
         vocab_size=vocab, make_vocab_size_divisible_by=128, tensor_model_parallel_size=WORLD,
         pipeline_model_parallel_size=1, untie_embeddings_and_output_weights=not tied, swiglu=True,
         normalization="RMSNorm", norm_epsilon=1e-5, add_qkv_bias=bias, add_bias_linear=False,
-        position_embedding_type="rope", rotary_base=10000, rotary_interleaved=False, rotary_percent=1.0,
-        max_position_embeddings=64, seq_length=SEQ, attention_output_gate=False, qk_layernorm=False,
-        num_experts=None, params_dtype="torch.float32", bf16=False, fp16=False,
+        position_embedding_type="rope", rotary_base=10000, rotary_interleaved=interleaved, rotary_percent=1.0,
+        max_position_embeddings=64, seq_length=SEQ, attention_output_gate=False, qk_layernorm=qk,
+        num_experts=None, params_dtype=torch.float32, bf16=False, fp16=False, attention_backend=AttnBackend.auto,
     )  # fmt: skip
 
 
 def hf_config(name: str) -> dict:
-    """The Hugging Face config of the model (Qwen2 for a qkv bias, else Llama), transformers' own."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The Hugging Face config of the model (Qwen2 for a qkv bias, Qwen3 for q/k norms, else
+    Llama), transformers' own."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    layers, hidden, heads, groups, kv, ffn, vocab, _, bias, tied = MODELS[name]
+    layers, hidden, heads, groups, kv, ffn, vocab, _, bias, tied, _, qk = MODELS[name]
     common = dict(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=groups, head_dim=kv,
         intermediate_size=ffn, num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied,
         max_position_embeddings=64, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     )  # fmt: skip
-    config = Qwen2Config(**common) if bias else LlamaConfig(**common)
+    config = Qwen2Config(**common) if bias else Qwen3Config(**common) if qk else LlamaConfig(**common)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return config.to_dict()
 
