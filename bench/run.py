@@ -5,6 +5,7 @@
     python bench/run.py index
     python bench/run.py dcp --size 2GiB      # torch DCP (sharded safetensors, .distcp) -> one file
     python bench/run.py zero --size 1GiB     # DeepSpeed ZeRO-3 checkpoint-N -> safetensors
+    python bench/run.py titan megatron       # torchtitan / Megatron checkpoints -> Hugging Face (156 MiB models)
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
 medians and ratios against the baseline of the same run, and is written into
@@ -434,6 +435,82 @@ def case_zero(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(HERE.parent / ".venv" / "megatron-core-0.19.2"))
+
+
+def _with_path(extra: str, cmd: list[str]) -> list[str]:
+    """``cmd`` with ``extra`` put before PYTHONPATH (a trainer installed outside the venv)."""
+    path = os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH", "")) if p)
+    return ["env", f"PYTHONPATH={path}", *cmd]
+
+
+def _trainer_run(what: str, root: Path, params: int, extra: str = "") -> tuple:
+    """A bench checkpoint written by the trainer's own code (bench/trainer_ckpt.py); its dims."""
+    cmd = _with_path(extra, [PY, str(HERE / "trainer_ckpt.py"), what, str(root), str(params)])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{what} checkpoint failed:\n{done.stderr[-4000:]}")
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _params(size: str) -> int:
+    return parse_size(size) // 4  # F32
+
+
+@case
+def case_titan(a: argparse.Namespace, tmp: Path) -> str:
+    """torchtitan 0.3.0 step (FSDP2, 2 gloo ranks) -> Hugging Face: convert_to_hf.py's route vs --plan."""
+    dims = _trainer_run("titan", tmp / "run", _params(a.size))
+    step, config = tmp / "run" / "bench" / "checkpoint" / "step-1", tmp / "run" / "bench" / "config.json"
+    data = _dir_bytes(step)
+    ckpt = str(HERE / "trainer_ckpt.py")
+    contenders = {
+        "cp -r + sync (step-1)": cp_fsync(step),
+        "torchtitan convert_to_hf.py route": lambda o: [PY, ckpt, "convert_to_hf", str(step), json.dumps(dims), str(o)],
+        "streamck --plan torchtitan-llama3": lambda o: streamck(
+            "rewrite", str(step), "-o", str(o), "--plan", "torchtitan-llama3", "--hf-config", str(config), "-q"
+        ),
+    }
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (step,))
+    _, dim, nh, nkv, hd, hidden, layers, vocab, _ = dims
+    model = 4 * (2 * vocab * dim + layers * (2 * dim * nh * hd + 2 * dim * nkv * hd + 3 * dim * hidden + 2 * dim) + dim)
+    return (
+        f"Checkpoint: a Llama 3 ({layers} layers, dim {dim}, {nh} heads / {nkv} KV heads, FFN {hidden}, vocab "
+        f"{vocab}; F32 weights {model / 2**20:.0f} MiB) trained one AdamW step and saved by torchtitan 0.3.0's "
+        f"CheckpointManager (FSDP2, 2 gloo ranks): `step-1` {data / 2**20:.0f} MiB with the optimizer state. "
+        f"Output: the Hugging Face model (q/k rows RoPE-reordered). {a.reps} interleaved reps, {a.settle:.0f} s "
+        "settle.\n\n" + table(runs, "cp -r + sync (step-1)", data)
+    )
+
+
+@case
+def case_megatron(a: argparse.Namespace, tmp: Path) -> str:
+    """megatron-core 0.19.2 torch_dist (GPTModel, TP=2) -> Hugging Face: load the whole model vs --plan."""
+    dims = _trainer_run("megatron", tmp / "run", _params(a.size), MEGATRON)
+    run = tmp / "run" / "bench"
+    step = run / "iter_0000010"
+    data = _dir_bytes(step)
+    ckpt = str(HERE / "trainer_ckpt.py")
+    contenders = {
+        "cp -r + sync (iter_0000010)": cp_fsync(step),
+        "load whole model, split, save (Bridge route)": lambda o: _with_path(
+            MEGATRON, [PY, ckpt, "megatron_load", str(run), json.dumps(dims), str(o)]
+        ),
+        "streamck --plan megatron-gpt": lambda o: streamck(
+            "rewrite", str(run), "-o", str(o), "--plan", "megatron-gpt", "-q"
+        ),
+    }
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (step,))
+    layers, dim, nh, nkv, _, hidden, vocab, padded, *_ = dims
+    return (
+        f"Checkpoint: a GPTModel ({layers} layers, hidden {dim}, {nh} heads / {nkv} query groups, FFN {hidden}, "
+        f"vocab {vocab} padded to {padded}; F32) saved by megatron-core 0.19.2's `dist_checkpointing.save` "
+        f"(torch_dist, TP=2 on 2 gloo ranks): `iter_0000010` {data / 2**20:.0f} MiB. Output: the Hugging Face "
+        f"model (qkv split per group, gate/up split, vocab trimmed). {a.reps} interleaved reps, "
+        f"{a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync (iter_0000010)", data)
+    )
+
+
 def _rewrite_jobs(src: Path, jobs: int, extra: list[str]) -> Callable[[Path], list[str]]:
     # --jobs writes output shards at once: the output is split into 8 of them.
     shard = str(sum(p.stat().st_size for p in src.glob("*.safetensors")) // 8)
@@ -485,7 +562,7 @@ def record(name: str, text: str) -> None:
     path.write_text(doc)
 
 
-DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB"}
+DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "titan": "156MiB", "megatron": "156MiB"}
 
 
 def main() -> None:

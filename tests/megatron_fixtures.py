@@ -64,14 +64,14 @@ def _parallel(tp: int) -> None:
     model_parallel_cuda_manual_seed(123)
 
 
-def build(name: str, tp: int):
-    """megatron-core's GPTModel for MODELS[name] at tensor parallel ``tp`` (parallel state set)."""
+def build(dims: tuple, tp: int):
+    """megatron-core's GPTModel for ``dims`` (a MODELS value) at tensor parallel ``tp`` (parallel state set)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layers, hidden, heads, groups, kv, ffn, _, padded, bias, tied, interleaved, qk = MODELS[name]
+    layers, hidden, heads, groups, kv, ffn, _, padded, bias, tied, interleaved, qk = dims
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups, kv_channels=kv,
         ffn_hidden_size=ffn, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
@@ -86,13 +86,13 @@ def build(name: str, tp: int):
     )  # fmt: skip
 
 
-def args(name: str) -> Namespace:
+def args(dims: tuple) -> Namespace:
     """What Megatron's argument parser records for the model (megatron/training/arguments.py names);
     its enums and torch dtypes as they are, so the checkpoint's pickle holds them too."""
     import torch
     from megatron.core.transformer.enums import AttnBackend
 
-    layers, hidden, heads, groups, kv, ffn, vocab, padded, bias, tied, interleaved, qk = MODELS[name]
+    layers, hidden, heads, groups, kv, ffn, vocab, padded, bias, tied, interleaved, qk = dims
     return Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         group_query_attention=True, num_query_groups=groups, kv_channels=kv, padded_vocab_size=padded,
@@ -105,12 +105,12 @@ def args(name: str) -> Namespace:
     )  # fmt: skip
 
 
-def hf_config(name: str) -> dict:
+def hf_config(dims: tuple) -> dict:
     """The Hugging Face config of the model (Qwen2 for a qkv bias, Qwen3 for q/k norms, else
     Llama), transformers' own."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    layers, hidden, heads, groups, kv, ffn, vocab, _, bias, tied, _, qk = MODELS[name]
+    layers, hidden, heads, groups, kv, ffn, vocab, _, bias, tied, _, qk = dims
     common = dict(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=groups, head_dim=kv,
         intermediate_size=ffn, num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied,
@@ -121,32 +121,32 @@ def hf_config(name: str) -> dict:
     return config.to_dict()
 
 
-def _save(name: str, root: Path, rank: int) -> None:
+def _save(name: str, dims: tuple, root: Path, rank: int) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(0)
-    model = build(name, WORLD)
+    model = build(dims, WORLD)
     step = root / name / f"iter_{ITERATION:07d}"
     if rank == 0:
         step.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = {"model": model.sharded_state_dict(), "args": args(name), "iteration": ITERATION,
+    state = {"model": model.sharded_state_dict(), "args": args(dims), "iteration": ITERATION,
              "checkpoint_version": 3.0}  # fmt: skip
     dist_checkpointing.save(state, str(step))
-    tokens = torch.randint(0, MODELS[name][6], (2, SEQ), generator=torch.Generator().manual_seed(7))
+    tokens = torch.randint(0, dims[6], (2, SEQ), generator=torch.Generator().manual_seed(7))
     positions = torch.arange(SEQ).repeat(2, 1)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
     with torch.no_grad():
         logits = model(tokens, positions, mask)
     if rank == 0:
         (root / name / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-        (root / name / "config.json").write_text(json.dumps(hf_config(name), indent=2))
-        torch.save({"tokens": tokens, "logits": logits[..., : MODELS[name][6]]}, root / name / "oracle.pt")
+        (root / name / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
+        torch.save({"tokens": tokens, "logits": logits[..., : dims[6]]}, root / name / "oracle.pt")
 
 
-def _worker(rank: int, root: str, store: str) -> None:
+def _worker(rank: int, root: str, store: str, models: dict) -> None:
     import torch
     import torch.distributed as dist
 
@@ -156,14 +156,14 @@ def _worker(rank: int, root: str, store: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
     try:
         _parallel(WORLD)
-        for name in MODELS:
-            _save(name, Path(root), rank)
+        for name, dims in models.items():
+            _save(name, dims, Path(root), rank)
             dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _reader(rank: int, root: str, store: str) -> None:
+def _reader(rank: int, root: str, store: str, models: dict) -> None:
     """megatron-core's own reader: each checkpoint loaded into a TP=1 model, its state saved whole."""
     import torch
     import torch.distributed as dist
@@ -177,8 +177,8 @@ def _reader(rank: int, root: str, store: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
     try:
         _parallel(1)
-        for name in MODELS:
-            model = build(name, 1)
+        for name, dims in models.items():
+            model = build(dims, 1)
             step = Path(root) / name / f"iter_{ITERATION:07d}"
             loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step))
             model.load_state_dict(loaded["model"])
@@ -189,14 +189,20 @@ def _reader(rank: int, root: str, store: str) -> None:
         dist.destroy_process_group()
 
 
-def make(root: Path) -> dict[str, Path]:
-    """Write every model of MODELS under ``root`` (see the module docstring); name -> its run folder."""
+def save_runs(root: Path, models: dict, read_back: bool = True) -> None:
+    """Each of ``models`` (name -> dims) saved at TP=2 under ``root/<name>/`` (and read back at TP=1)."""
     import torch.multiprocessing as mp
 
     root.mkdir(parents=True, exist_ok=True)
-    for fn, world, store in ((_worker, WORLD, "store"), (_reader, 1, "store1")):
+    for fn, world, store in ((_worker, WORLD, "store"), (_reader, 1, "store1"))[: 2 if read_back else 1]:
         (root / store).unlink(missing_ok=True)
-        mp.start_processes(fn, args=(str(root), str(root / store)), nprocs=world, start_method="spawn")
+        mp.start_processes(fn, args=(str(root), str(root / store), models), nprocs=world, start_method="spawn")
+        (root / store).unlink(missing_ok=True)
+
+
+def make(root: Path) -> dict[str, Path]:
+    """Write every model of MODELS under ``root`` (see the module docstring); name -> its run folder."""
+    save_runs(root, MODELS)
     return {name: root / name for name in MODELS}
 
 

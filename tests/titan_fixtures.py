@@ -49,11 +49,11 @@ def import_torchtitan() -> None:
         import torchtitan.models.qwen3  # noqa: F401
 
 
-def model_config(name: str):
-    """torchtitan's model config for MODELS[name], built by torchtitan's own layer builders."""
+def model_config(dims: tuple):
+    """torchtitan's model config for ``dims`` (a MODELS value), built by torchtitan's own layer builders."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 
-    family, dim, nh, nkv, hd, hidden, layers, vocab, tied = MODELS[name]
+    family, dim, nh, nkv, hd, hidden, layers, vocab, tied = dims
     embed = Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init={"weight": _normal})
     head = Linear.Config(in_features=dim, out_features=vocab, param_init={"weight": _normal})
     if family == "llama3":
@@ -89,11 +89,11 @@ def _normal(w):
         return w.normal_(0.0, 0.3).add_(1.0) if w.dim() == 1 else w.normal_(0.0, 0.1)
 
 
-def hf_config(name: str) -> dict:
-    """The Hugging Face config.json of MODELS[name], as transformers writes it."""
+def hf_config(dims: tuple) -> dict:
+    """The Hugging Face config.json of ``dims`` (a MODELS value), as transformers writes it."""
     from transformers import LlamaConfig, Qwen3Config
 
-    family, dim, nh, nkv, hd, hidden, layers, vocab, tied = MODELS[name]
+    family, dim, nh, nkv, hd, hidden, layers, vocab, tied = dims
     common = dict(
         hidden_size=dim, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, intermediate_size=hidden,
         num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=64,
@@ -119,7 +119,7 @@ class _Stateful:
         self.state = dict(state)
 
 
-def _save_one(name: str, root: Path, rank: int) -> None:
+def _save_one(name: str, dims: tuple, root: Path, rank: int) -> None:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -129,7 +129,7 @@ def _save_one(name: str, root: Path, rank: int) -> None:
 
     out = root / name
     torch.manual_seed(0)  # the same initial weights on both ranks before sharding
-    config = model_config(name)
+    config = model_config(dims)
     model = config.build()
     model.init_weights(buffer_device=None)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -163,12 +163,12 @@ def _save_one(name: str, root: Path, rank: int) -> None:
     with torch.no_grad():
         logits = model(tokens, positions, model.get_attention_masks(positions=positions))
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(hf_config(name), indent=2))
+        (out / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
         torch.save({"tokens": tokens, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits},
                    out / "oracle.pt")
 
 
-def convert_to_hf(name: str, step: Path, out: Path) -> None:
+def convert_to_hf(dims: tuple, step: Path, out: Path) -> None:
     """torchtitan's convert_to_hf.py with this model config: dcp.load into the model's state
     dict (as torchtitan's dcp_load does), then the model's StateDictAdapter.to_hf, saved with
     safetensors (the script saves with torch's HF writer: the same tensors)."""
@@ -177,18 +177,18 @@ def convert_to_hf(name: str, step: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from torchtitan.components.checkpointer import ModelWrapper
 
-    config = model_config(name)
+    config = model_config(dims)
     with torch.device("cpu"):
         model = config.build()
-    adapter = _adapter(name)(config, None)
+    adapter = _adapter(dims[0])(config, None)
     state = ModelWrapper(model)._get_state_dict()
     dcp.load(state, checkpoint_id=str(step))  # as CheckpointManager.dcp_load does
     save_file({k: v.contiguous() for k, v in adapter.to_hf(state).items()}, str(out))
 
 
-def _adapter(name: str):
-    """The model's StateDictAdapter class (its ModelSpec's ``state_dict_adapter``)."""
-    if MODELS[name][0] == "llama3":
+def _adapter(family: str):
+    """The family's StateDictAdapter class (its ModelSpec's ``state_dict_adapter``)."""
+    if family == "llama3":
         from torchtitan.models.llama3 import Llama3StateDictAdapter
 
         return Llama3StateDictAdapter
@@ -217,7 +217,7 @@ def save_v02(step: Path, out: Path) -> None:
     whole.unlink()
 
 
-def _worker(rank: int, root: str, store: str) -> None:
+def _worker(rank: int, root: str, store: str, models: dict) -> None:
     import torch
     import torch.distributed as dist
 
@@ -225,24 +225,30 @@ def _worker(rank: int, root: str, store: str) -> None:
     import_torchtitan()
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
     try:
-        for name in MODELS:
-            _save_one(name, Path(root), rank)
+        for name, dims in models.items():
+            _save_one(name, dims, Path(root), rank)
             dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def make(root: Path) -> dict[str, Path]:
-    """Write every model of MODELS under ``root`` (see the module docstring); name -> its folder."""
+def save_steps(root: Path, models: dict) -> None:
+    """Each of ``models`` (name -> dims) trained a step and saved by 2 ranks under ``root/<name>/``."""
     import torch.multiprocessing as mp
 
     root.mkdir(parents=True, exist_ok=True)
     store = root / "store"
     store.unlink(missing_ok=True)
-    mp.start_processes(_worker, args=(str(root), str(store)), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(str(root), str(store), models), nprocs=WORLD, start_method="spawn")
+    store.unlink(missing_ok=True)
+
+
+def make(root: Path) -> dict[str, Path]:
+    """Write every model of MODELS under ``root`` (see the module docstring); name -> its folder."""
+    save_steps(root, MODELS)
     import_torchtitan()
     for name in MODELS:
-        convert_to_hf(name, root / name / "checkpoint" / "step-1", root / name / "convert_to_hf.safetensors")
+        convert_to_hf(MODELS[name], root / name / "checkpoint" / "step-1", root / name / "convert_to_hf.safetensors")
     v02 = root / "llama3_v02"
     save_v02(root / "llama3" / "checkpoint" / "step-1", v02 / "checkpoint" / "step-1")
     for f in ("config.json", "oracle.pt", "convert_to_hf.safetensors"):
