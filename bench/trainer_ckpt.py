@@ -27,8 +27,10 @@ sys.path.insert(0, str(TESTS))
 
 
 def titan_dims(params: int) -> tuple:
-    """A Llama 3 of about ``params`` parameters: width 512 (8 heads, 4 KV heads), 32k vocab."""
-    dim, hidden, vocab = 512, 1536, 32000
+    """A Llama 3 of about ``params`` parameters (at least one layer): width 512 (8 heads, 4 KV
+    heads), the embedding and head about 80% of it, as in a small model (vocab up to 32k)."""
+    dim, hidden = 512, 1536
+    vocab = max(256, min(32000, int(params * 0.8) // (2 * dim)) // 128 * 128)
     per_layer = dim * dim * 2 + dim * 256 * 2 + 3 * dim * hidden
     layers = max(1, round((params - 2 * vocab * dim) / per_layer))
     return ("llama3", dim, 8, 4, 64, hidden, layers, vocab, False)
