@@ -182,3 +182,15 @@ def test_random_cuts_rope(tmp_path_factory, cut0, cut1, heads, first):
     if first + heads * hd > M.shape[0]:
         return
     _check(tmp, select(ref, Rows.rope_halves(heads, hd, first=first)), _rope(M[first : first + heads * hd], heads))
+
+
+def test_shape_errors_name_derived_sizes():
+    """A fused QKV of the wrong height is refused naming how its height is made."""
+    from streamck.errors import PlanError
+    from streamck.plan.hf_export import check
+
+    ref = TensorRef("decoder.layers.self_attention.linear_qkv.weight", "F32", (2, 100, 64), Path("x"), 0, 51200)
+    sizes = {"L": 2, "QKV": 128, "H": 64}
+    with pytest.raises(PlanError, match=r"expected \[2, 128, 64\] = \[L, QKV, H\] from L = num_hidden_layers, "
+                       r"QKV = \(num_attention_heads \+ 2 \* num_key_value_heads\) \* head_dim"):
+        check(ref.name, ref, ("L", "QKV", "H"), sizes, Path("ckpt"))

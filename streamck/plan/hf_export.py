@@ -31,6 +31,11 @@ SYMBOLS = {
     "L": "num_hidden_layers",
     "V": "vocab_size",
 }
+# What the derived symbols stand for, in shape errors.
+DERIVED = {
+    "QKV": "(num_attention_heads + 2 * num_key_value_heads) * head_dim",
+    "Vp": "the padded vocabulary's rows",
+}
 REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
 FLOATS = frozenset({"F32", "BF16", "F16"})
 
@@ -98,7 +103,7 @@ def sizes(config: dict, where: Path) -> dict[str, int]:
 
 def check(name: str, ref: TensorRef, exprs: tuple[str, ...], symbols: dict[str, int], where: Path) -> None:
     """``ref`` is a float tensor of the shape ``exprs`` give with ``symbols``, else PlanError."""
-    check_shape(name, ref.shape, exprs, symbols, SYMBOLS, where)
+    check_shape(name, ref.shape, exprs, symbols, {**SYMBOLS, **DERIVED}, where)
     if ref.dtype not in FLOATS:
         raise PlanError(f"{name} is {ref.dtype}; model weights are F32, BF16 or F16", where)
 

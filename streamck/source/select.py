@@ -60,10 +60,9 @@ class Rows(NamedTuple):
 
     @property
     def is_span(self) -> bool:
-        """Consecutive rows in order: one range."""
-        lo, hi = self.bounds
-        return hi - lo == self.count and all(s == math.prod(self.counts[k + 1 :]) or c == 1 for k, (c, s) in
-                                            enumerate(zip(self.counts, self.steps, strict=True)))
+        """Consecutive rows in order: one range (each axis steps over the ones after it)."""
+        inner = [math.prod(self.counts[k + 1 :]) for k in range(len(self.counts))]
+        return all(c == 1 or s == n for c, s, n in zip(self.counts, self.steps, inner, strict=True))
 
     def groups(self) -> list[Rows]:
         """The rows split by the first grid axis (one Rows per index of it)."""
