@@ -169,3 +169,44 @@ def test_refused_before_writing(megatron, tmp_path):
     (run / "latest_checkpointed_iteration.txt").unlink()
     assert "is not a Megatron dist checkpoint (no metadata.json); iterations here: iter_0000010" in refused(run)
     assert "--hf-config: no such file" in refused(megatron["gpt"], "--hf-config", tmp_path / "none.json")
+
+
+class _Shell:
+    """What a hostile ``common_state`` would hold: unpickling it runs a shell command."""
+
+    def __init__(self, mark: Path):
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.mark}",))
+
+
+def _dcp_run(tmp: Path, common) -> Path:
+    """An iteration folder written by torch's dcp.save with megatron's metadata.json, holding
+    one model tensor and ``common`` as its common_state item."""
+    import torch.distributed.checkpoint as dcp
+
+    step = tmp / "iter_0000001"
+    state = {"embedding.word_embeddings.weight": torch.zeros(8, 4), "common_state/shard_0_1": common}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
+    (step / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    return step
+
+
+def test_hostile_args_are_refused_never_run(tmp_path):
+    mark = tmp_path / "ran"
+    step = _dcp_run(tmp_path, {"args": _Shell(mark), "iteration": 1})
+    proc = cli("rewrite", step, "-o", tmp_path / "hf", "--plan", PLAN, check=2)
+    assert "the common_state item: data.pkl refused: refusing to load" in proc.stderr and "system" in proc.stderr
+    assert not mark.exists() and not (tmp_path / "hf").exists()
+
+
+def test_without_args_the_config_gives_the_sizes(tmp_path):
+    step = _dcp_run(tmp_path, {"iteration": 1})
+    proc = cli("rewrite", step, "-o", tmp_path / "hf", "--plan", PLAN, check=2)
+    assert "needs the model's Hugging Face config.json for its sizes: give --hf-config FILE" in proc.stderr
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4, "num_attention_heads": 2,
+                                  "intermediate_size": 8, "num_hidden_layers": 1, "vocab_size": 8}))  # fmt: skip
+    proc = cli("rewrite", step, "-o", tmp_path / "hf", "--plan", PLAN, "--hf-config", config, check=2)
+    assert "model tensors do not match a GPTModel (1 layers)" in proc.stderr and "missing" in proc.stderr

@@ -186,7 +186,7 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
         + (str(config_path) if config_path else ""),
     ]  # fmt: skip
     state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
-    left = f"{len(outputs)} model tensors written" + (f"; left out: {', '.join(state)}" if state else "")
+    left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
     return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
 
 

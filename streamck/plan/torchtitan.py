@@ -138,4 +138,4 @@ def _left_out(ckpt: Checkpoint, model: dict, written: int, tied_head: bool) -> s
     parts = [f"training state ({', '.join(state)})"] if state else []
     if tied_head:
         parts.append("lm_head.weight (tied: transformers ties it again on load)")
-    return f"{written} model tensors written; left out: " + ("; ".join(parts) or "nothing")
+    return f"{written} model tensors to write; left out: " + ("; ".join(parts) or "nothing")
