@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamck import __version__, manifest
-from streamck.errors import StreamckError, UsageError
+from streamck.errors import Info, StreamckError, UsageError
 from streamck.source import open_checkpoint
 
 if TYPE_CHECKING:
@@ -56,10 +56,12 @@ def _device(text: str) -> str:
     return text
 
 
-def _note(ckpt: Checkpoint) -> Checkpoint:
-    """Print a checkpoint's notices (items skipped as not tensors, a key or source chosen)."""
+def _note(ckpt: Checkpoint, quiet: bool = False) -> Checkpoint:
+    """Print a checkpoint's notices (items skipped as not tensors, a key or source chosen);
+    ``quiet`` keeps those that ask for action (not Info)."""
     for line in ckpt.notices:
-        print(f"streamck: note: {line}", file=sys.stderr)
+        if not (quiet and isinstance(line, Info)):
+            print(f"streamck: note: {line}", file=sys.stderr)
     return ckpt
 
 
@@ -113,7 +115,7 @@ def _compile(args: argparse.Namespace):
         aux_layer_ids=args.aux_layer_ids,
     )
     if plan.source is not None:
-        _note(plan.source)
+        _note(plan.source, getattr(args, "quiet", False))
     for line in plan.notices:
         print(f"streamck: note: {line}", file=sys.stderr)
     return plan
@@ -145,6 +147,11 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     part = parse_part(args.part) if args.part else None
     plan = _compile(args)
     if args.dry_run:
+        from streamck.writer.engine import file_format
+        from streamck.writer.torchsave import refuse_unsaveable
+
+        if "torch" in (args.format, args.output and args.output != "-" and file_format(Path(args.output))):
+            refuse_unsaveable(plan.tensors)  # as writing would
         if args.json:
             sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
         else:

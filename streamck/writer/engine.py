@@ -28,6 +28,7 @@ from streamck.writer.layout import (
 )
 from streamck.writer.parts import assign, check_directory
 from streamck.writer.shardwriter import Progress, ShardWriter, Syncer, Workers
+from streamck.writer.torchsave import refuse_unsaveable
 from streamck.writer.verify import verify_shard
 
 
@@ -118,6 +119,8 @@ def write_plan(
     if named is not None and format not in (None, named):
         raise UsageError(f"--format {format} disagrees with the output's name {out.name}")
     format = named or format or "safetensors"
+    if format == "torch":
+        refuse_unsaveable(plan.tensors)
     if plan.single_file and format != "safetensors":
         raise OutputError("this plan writes exactly one model.safetensors; drop --format", out)
     if plan.single_file and max_shard_size is not None:
