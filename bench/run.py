@@ -370,6 +370,36 @@ def case_dcp(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_dcpview(a: argparse.Namespace, tmp: Path) -> str:
+    """A DCP save whose blob is a transposed view (--embed bytes): gathered as a .pt view is."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    side = int((parse_size(a.embed) // 4) ** 0.5)
+    src = tmp / "dcp"
+    with warnings.catch_warnings():  # no_dist: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        state = {"w": torch.empty(side, side).normal_().t()}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(src)), no_dist=True)
+    os.sync()
+    data = _dir_bytes(src)
+    consolidate = str(HERE / "dcp_consolidate.py")
+    contenders = {
+        "cp -r + sync": cp_fsync(src),
+        "torch dcp_to_torch_save": lambda o: [PY, consolidate, "distcp", str(src), str(o)],
+        "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
+    }
+    runs = contend(contenders, tmp / "out.safetensors", a.reps, a.settle, (src,))
+    return (
+        f"Source: `dcp.save` of a {side}×{side} F32 matrix saved transposed ({data / 2**30:.2f} GiB .distcp, "
+        f"strides (1, {side})); each output row takes one element of every source row. {a.reps} interleaved "
+        f"reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync", data)
+    )
+
+
 HUB_DIR = Path(os.environ.get("BENCH_PYDEPS", Path.home() / ".cache" / "streamck-bench" / "pydeps"))
 HUB_INSTALL = f"{PY} -m pip install --no-deps --target {HUB_DIR} huggingface_hub"
 

@@ -15,6 +15,7 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         "lsdiff",
         "eagle4",
         "view",
+        "dcpview",
         "--size",
         "8MiB",
         "--embed",
@@ -38,7 +39,7 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         env={**os.environ, "BENCH_DIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for case in ("rewrite", "index", "lsdiff", "eagle4", "view"):
+    for case in ("rewrite", "index", "lsdiff", "eagle4", "view", "dcpview"):
         assert f"## {case}" in proc.stdout
     assert "| streamck rewrite |" in proc.stdout and "torch not imported" in proc.stdout
 
