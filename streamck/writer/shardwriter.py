@@ -14,6 +14,7 @@ from streamck.errors import OutputError, UsageError
 from streamck.fileio import start_writeback, write_all
 from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
+from streamck.writer.clone import Sharing, copy_shared
 from streamck.writer.layout import Shard
 
 _DROP_EVERY = 256 << 20
@@ -91,10 +92,20 @@ class ShardWriter:
     """Streams shards into fds: header, then each tensor copied, gathered or cast.
 
     One per rewrite: its reader keeps the source fds open and its buffers are reused.
+    With ``sharing``, unchanged tensors in step with their source share its blocks
+    (streamck.writer.clone); ``shared`` counts those bytes.
     """
 
-    def __init__(self, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
+    def __init__(
+        self,
+        chunk: int,
+        device: str | None,
+        drop_cache: bool,
+        progress: Callable[[int], None],
+        sharing: Sharing | None = None,
+    ):
         self.reader = Reader(min(chunk, CHUNK))
+        self.sharing, self.shared = sharing, 0
         self.caster = None
         self.chunk, self.device = chunk, device
         self.drop_cache = drop_cache
@@ -147,6 +158,8 @@ class ShardWriter:
                     n = self.get_caster().cast(self.reader.stream(src), t.dtype, out, progress)
                     if n:
                         self.overflow[t.name] = n
+                elif self.sharing is not None:
+                    self.shared += copy_shared(self.reader, t, out, self.sharing, progress)
                 else:
                     self.reader.copy(src, out, progress)
                 if self.drop_cache:
@@ -218,7 +231,15 @@ class Workers:
     the others at their next chunk and is raised once all have stopped, so nothing writes
     into a temporary that is being removed. One job runs inline, on the calling thread."""
 
-    def __init__(self, jobs: int, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
+    def __init__(
+        self,
+        jobs: int,
+        chunk: int,
+        device: str | None,
+        drop_cache: bool,
+        progress: Callable[[int], None],
+        sharing: Sharing | None = None,
+    ):
         self.jobs, self._stop = jobs, threading.Event()
         lock = threading.Lock()
 
@@ -228,7 +249,7 @@ class Workers:
             with lock:
                 progress(n)
 
-        self._make = lambda: ShardWriter(chunk, device, drop_cache, checked if jobs > 1 else progress)
+        self._make = lambda: ShardWriter(chunk, device, drop_cache, checked if jobs > 1 else progress, sharing)
         self.first = self._make()  # made now, so that a missing caster fails before any file exists
         self.writers = [self.first]
 
@@ -270,6 +291,11 @@ class Workers:
     @property
     def overflow(self) -> dict[str, int]:
         return {k: v for w in self.writers for k, v in w.overflow.items()}
+
+    @property
+    def shared(self) -> int:
+        """Bytes written by sharing the source's blocks (streamck.writer.clone)."""
+        return sum(w.shared for w in self.writers)
 
     def close(self) -> None:
         for writer in self.writers:
