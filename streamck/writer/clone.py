@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,13 +57,17 @@ class Sharing:
         ref = t.source
         if self.device is None or t.is_cast or ref.strides is not None or ref.tiles is not None:
             return False
-        ok = self._paths.get(ref.path)
+        return self.shares(ref.path)
+
+    def shares(self, path: Path) -> bool:
+        """Whether ``path`` lies on the output's filesystem (and has not refused a clone)."""
+        ok = self._paths.get(path)
         if ok is None:
             try:
-                ok = os.stat(ref.path).st_dev == self.device
+                ok = os.stat(path).st_dev == self.device
             except OSError:
                 ok = False
-            self._paths[ref.path] = ok
+            self._paths[path] = ok
         return ok
 
     def refuse(self, path: Path) -> None:
@@ -101,22 +105,55 @@ def _span(ref: TensorRef, start: int, length: int) -> TensorRef:
     return TensorRef(ref.name, "U8", (length,), ref.path, start, start + length)
 
 
-def copy_shared(reader: Reader, t: OutputTensor, out: int, sharing: Sharing, progress: Callable[[int], None]) -> int:
-    """Append ``t``'s bytes to ``out`` as ``reader.copy`` does, sharing the source's blocks
-    for the whole-block middle where source and output offsets are in step. Returns the
-    bytes shared."""
-    ref = t.source
-    if not sharing.may_share(t) or _middle(ref.start, ref.nbytes) == 0:
-        reader.copy(ref, out, progress)
-        return 0
-    at = os.lseek(out, 0, os.SEEK_CUR)
-    if (ref.start - at) % BLOCK:
+Group = tuple[list[OutputTensor], TensorRef | None]
+
+
+def _joined(group: list[OutputTensor]) -> Group:
+    first, last = group[0].source, group[-1].source
+    return group, _span(first, first.start, last.end - first.start)
+
+
+def spans(tensors: list[OutputTensor], sharing: Sharing | None) -> Iterator[Group]:
+    """``tensors`` in write order, grouped: each shareable tensor together with the ones
+    after it that continue it in its source file, and their bytes as one span (a kept
+    shard's data area is one span, shared whole); any other tensor alone, with None."""
+    group: list[OutputTensor] = []
+    for t in tensors:
+        if sharing is None or not sharing.may_share(t):
+            if group:
+                yield _joined(group)
+                group = []
+            yield [t], None
+            continue
+        if group and (t.source.path != group[-1].source.path or t.source.start != group[-1].source.end):
+            yield _joined(group)
+            group = []
+        group.append(t)
+    if group:
+        yield _joined(group)
+
+
+def copy_shared(
+    reader: Reader,
+    ref: TensorRef,
+    out: int,
+    sharing: Sharing,
+    progress: Callable[[int], None],
+    shared_progress: Callable[[int], None],
+) -> int:
+    """Append the bytes of ``ref`` (one run) to ``out`` as ``reader.copy`` does, sharing the
+    source's blocks for the whole-block middle where source and output offsets are in step.
+    Copied bytes are counted by ``progress``, shared ones by ``shared_progress`` (they leave
+    nothing for the disk to flush). Returns the bytes shared."""
+    middle = _middle(ref.start, ref.nbytes)
+    at = os.lseek(out, 0, os.SEEK_CUR) if middle else 0
+    if not middle or (ref.start - at) % BLOCK or not sharing.shares(ref.path):
         reader.copy(ref, out, progress)
         return 0
     head = -ref.start % BLOCK
     if head:
         reader.copy(_span(ref, ref.start, head), out, progress)
-    src, start, end = reader.fd(ref.path), ref.start + head, ref.start + head + _middle(ref.start, ref.nbytes)
+    src, start, end = reader.fd(ref.path), ref.start + head, ref.start + head + middle
     shared = 0
     while start + shared < end:
         n = min(CLONE_CHUNK, end - start - shared)
@@ -129,7 +166,7 @@ def copy_shared(reader: Reader, t: OutputTensor, out: int, sharing: Sharing, pro
             break
         shared += n
         os.lseek(out, at + head + shared, os.SEEK_SET)
-        progress(n)
+        shared_progress(n)
     if start + shared < ref.end:
         reader.copy(_span(ref, start + shared, ref.end - start - shared), out, progress)
     return shared

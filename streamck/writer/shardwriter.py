@@ -14,7 +14,7 @@ from streamck.errors import OutputError, UsageError
 from streamck.fileio import start_writeback, write_all
 from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
-from streamck.writer.clone import Sharing, copy_shared
+from streamck.writer.clone import Sharing, copy_shared, spans
 from streamck.writer.layout import Shard
 
 _DROP_EVERY = 256 << 20
@@ -152,20 +152,20 @@ class ShardWriter:
         write_all(out, shard.header)
         since_drop = 0
         with Writeback(out, self.progress, self.writeback_pool()) as progress:
-            for t in shard.tensors:
-                src = t.source
-                if t.is_cast:
-                    n = self.get_caster().cast(self.reader.stream(src), t.dtype, out, progress)
+            for group, span in spans(shard.tensors, self.sharing):
+                if span is not None:  # unchanged tensors that continue one another: one run
+                    self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
+                elif (t := group[0]).is_cast:
+                    n = self.get_caster().cast(self.reader.stream(t.source), t.dtype, out, progress)
                     if n:
                         self.overflow[t.name] = n
-                elif self.sharing is not None:
-                    self.shared += copy_shared(self.reader, t, out, self.sharing, progress)
                 else:
-                    self.reader.copy(src, out, progress)
+                    self.reader.copy(t.source, out, progress)
                 if self.drop_cache:
-                    for path in src.paths:
-                        os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
-                    since_drop += t.nbytes
+                    for t in group:
+                        for path in t.source.paths:
+                            os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
+                        since_drop += t.nbytes
                     if since_drop >= _DROP_EVERY:
                         os.fdatasync(out)  # only clean pages can be dropped
                         os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
