@@ -125,6 +125,8 @@ def write_plan(
             raise UsageError("-o - streams one safetensors file; write a torch archive to a path")
         if part is not None:
             raise UsageError("--part writes its share of a directory output's files; -o - is one stream")
+        if keep_shards:
+            raise UsageError("--keep-shards writes files beside their source's; -o - is one stream")
         return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
     out = _target(out)
     named = file_format(out)
