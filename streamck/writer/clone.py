@@ -5,8 +5,9 @@ file can be made to share another's blocks (``FICLONERANGE``): no byte is read o
 and no new block is used. The kernel does it only between offsets that agree modulo the
 block, for whole blocks. So an output file's data area is made to start at the offset,
 modulo BLOCK, that puts the most unchanged bytes in step with their source (its header
-padded with spaces, as the format allows: ``line_up``), and each in-step tensor is moved
-as a copied head up to the first block boundary, a shared middle, and a copied tail
+padded with spaces, as the format allows: ``line_up``), and each run of unchanged tensors
+that continue one another in a source file (``spans``: a kept shard's whole data area) is
+moved as a copied head up to the first block boundary, a shared middle, and a copied tail
 (``copy_shared``). Whether the output's filesystem can share is probed once per run
 (``Sharing.probe``); where it cannot, or where nothing long would line up, the layout is
 left exactly as the reference writer's.
@@ -89,10 +90,10 @@ def line_up(shard: Shard, sharing: Sharing, align: int) -> Shard:
         return shard
     gain: Counter[int] = Counter()
     offset = 0
-    for t in shard.tensors:
-        if sharing.may_share(t):
-            gain[(t.source.start - offset) % BLOCK] += _middle(t.source.start, t.nbytes)
-        offset += t.nbytes
+    for group, span in spans(shard.tensors, sharing):
+        if span is not None:
+            gain[(span.start - offset) % BLOCK] += _middle(span.start, span.nbytes)
+        offset += sum(t.nbytes for t in group)
     size = len(shard.header)
     best = max((r for r in gain if r % align == 0), key=lambda r: (gain[r], -((r - size) % BLOCK)), default=None)
     if best is None or gain[best] < MIN_SHARED or gain[best] == gain[size % BLOCK]:
