@@ -226,7 +226,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind != "files":
-        return _not_empty(_index_distributed(path, layout, select), "DCP")
+        return _tied_kept(_not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
@@ -260,7 +260,14 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
             return _not_empty(found, "DeepSpeed ZeRO")
         rel = _rel(layout.zero, layout.root)
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
-    return Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+    return _tied_kept(Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root), keep_tied)
+
+
+def _tied_kept(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
+    """A source read as saved: --keep-tied has nothing to keep, and the user hears so."""
+    if keep_tied:
+        ckpt.notices.append("--keep-tied does nothing here: only ZeRO state leaves tied heads out; read as saved")
+    return ckpt
 
 
 def _rel(path: Path, root: Path) -> Path:
