@@ -174,10 +174,12 @@ def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
 
 def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
     """A DCP checkpoint: each tensor's chunks, one per rank file, as tiles."""
-    from streamck.source import dcp, distcp
+    from streamck.source import dcp, distcp, fsdp
 
     files = {shard: FileStamp.of(shard) for shard in layout.shards}  # before reading: changes show
-    if layout.kind == "distcp":
+    if layout.kind == "fsdp":
+        entries, notices = fsdp.read_fsdp(layout.root)
+    elif layout.kind == "distcp":
         entries, notices = distcp.read_distcp(layout.root)
     else:
         entries, notices = dcp.read_sharded_safetensors(layout.shards)
@@ -215,6 +217,8 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
         return _untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
+    if layout.kind == "fsdp":
+        return _untie_fsdp(_index_distributed(path, layout), keep_tied)
     if layout.kind != "files":
         return _index_distributed(path, layout)
     tensors: dict[str, TensorRef] = {}
@@ -250,7 +254,13 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
             return found
         rel = _rel(layout.zero, layout.root)
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
-    return Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+    found = Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+    if not _is_fsdp_full(layout):
+        return found
+    from streamck.source.fsdp import FULL_FILE, left_beside
+
+    found.notices.extend(left_beside(layout.root, FULL_FILE))
+    return _untie_fsdp(found, keep_tied)
 
 
 def _rel(path: Path, root: Path) -> Path:
@@ -334,3 +344,18 @@ def _ties_embeddings(root: Path) -> bool:
     return config.get("tie_word_embeddings") is True or (
         isinstance(text, dict) and text.get("tie_word_embeddings") is True
     )
+
+
+def _is_fsdp_full(layout: Layout) -> bool:
+    """A FULL_STATE_DICT ``pytorch_model_fsdp.bin`` read alone (no safetensors beside it)."""
+    from streamck.source.fsdp import FULL_FILE
+
+    return [s.name for s in layout.shards] == [FULL_FILE]
+
+
+def _untie_fsdp(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
+    """An FSDP model (tied heads under both names, config.json maybe missing) as save_pretrained writes it."""
+    from streamck.source.fsdp import head_aliases, no_config
+
+    ckpt.notices.extend(no_config(ckpt.side_root or ckpt.root))
+    return _untie(ckpt, head_aliases(ckpt.tensors), keep_tied)
