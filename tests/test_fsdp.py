@@ -143,3 +143,27 @@ def test_local_state_dict_rank_files_are_refused_in_one_line(fsdp_cases, tmp_pat
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
         assert "LOCAL_STATE_DICT" in r.stderr and "pytorch_model_fsdp_rank" in r.stderr
         assert not (tmp_path / "hf").exists()
+
+
+def test_diff_against_accelerates_merge_finds_them_equal(fsdp_cases):
+    case = fsdp_cases["fsdp2_sharded_untied"]
+    r = cli("diff", case["checkpoint"], case["merged"], "--data")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_model_folder_without_the_model_item_is_refused(fsdp_cases, tmp_path):
+    """accelerate's optimizer folder (DCP of {"optimizer": ...}) where the model's should be."""
+    case = fsdp_cases["fsdp2_sharded_untied"]
+    ck = tmp_path / "checkpoint-2"
+    ck.mkdir()
+    shutil.copytree(case["checkpoint"] / "optimizer_0", ck / "pytorch_model_fsdp_0")
+    r = cli("rewrite", ck, "-o", tmp_path / "hf")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "'model'" in r.stderr, r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_key_is_the_model_item_or_refused(fsdp_cases, tmp_path):
+    ck = fsdp_cases["fsdp2_sharded_untied"]["checkpoint"]
+    assert list(open_checkpoint(ck, key="model").tensors) == list(open_checkpoint(ck).tensors)
+    r = cli("ls", ck, "--key", "optimizer")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "'model'" in r.stderr, r.stderr

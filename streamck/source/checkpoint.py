@@ -14,6 +14,7 @@ from pathlib import Path
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
 from streamck.source.crosscheck import cross_check, side_object
+from streamck.source.fsdp import MODEL_KEY
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
@@ -218,6 +219,8 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind == "fsdp":
+        if select not in (None, MODEL_KEY):
+            raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, {MODEL_KEY!r}", path)
         return _untie_fsdp(_index_distributed(path, layout), keep_tied)
     if layout.kind != "files":
         return _index_distributed(path, layout)
