@@ -179,9 +179,20 @@ def ls(
     return checkpoint_manifest(_checkpoint(source, step, key, zero, keep_tied))
 
 
-def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = (), data: bool = False) -> DiffResult:
+def diff(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    *,
+    ignore: Iterable[str] = (),
+    data: bool = False,
+    key: str | None = None,
+    zero: bool | tuple[bool, bool] = False,
+    keep_tied: bool = False,
+) -> DiffResult:
     """Compare two checkpoints or manifests (``streamck diff``); ``bool(result)`` is True
-    when they differ and ``str(result)`` is the report.
+    when they differ and ``str(result)`` is the report. ``key`` and ``keep_tied`` apply to
+    both sides, as open_checkpoint takes them; ``zero`` too, or per side as ``(a, b)``
+    (a ZeRO step against the model exported from it).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -192,7 +203,12 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = 
     >>> [x.differing for x in streamck.diff(f"{d}/a.safetensors", f"{d}/b.safetensors", data=True).data]
     [2]
     """
-    return _diff(a, b, ignore=tuple(ignore), data=data)
+    from streamck.check.diff import load_side
+
+    zero_a, zero_b = zero if isinstance(zero, tuple) else (zero, zero)
+    sa = load_side(a, key=key, zero=zero_a, keep_tied=keep_tied)
+    sb = load_side(b, key=key, zero=zero_b, keep_tied=keep_tied)
+    return _diff(sa, sb, ignore=tuple(ignore), data=data)
 
 
 def hash(

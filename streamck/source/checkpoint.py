@@ -13,8 +13,8 @@ from pathlib import Path
 
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
+from streamck.source import fsdp
 from streamck.source.crosscheck import cross_check, side_object
-from streamck.source.fsdp import MODEL_KEY
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
@@ -175,7 +175,7 @@ def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
 
 def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
     """A DCP checkpoint: each tensor's chunks, one per rank file, as tiles."""
-    from streamck.source import dcp, distcp, fsdp
+    from streamck.source import dcp, distcp
 
     files = {shard: FileStamp.of(shard) for shard in layout.shards}  # before reading: changes show
     if layout.kind == "fsdp":
@@ -219,11 +219,11 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind == "fsdp":
-        if select not in (None, MODEL_KEY):
-            raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, {MODEL_KEY!r}", path)
+        if select not in (None, fsdp.MODEL_KEY):
+            raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, 'model'", path)
         return _untie_fsdp(_index_distributed(path, layout), keep_tied)
     if layout.kind != "files":
-        return _index_distributed(path, layout)
+        return _tied_kept(_index_distributed(path, layout), keep_tied)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
@@ -258,12 +258,19 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
         rel = _rel(layout.zero, layout.root)
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
     found = Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
-    if not _is_fsdp_full(layout):
-        return found
-    from streamck.source.fsdp import FULL_FILE, left_beside
-
-    found.notices.extend(left_beside(layout.root, FULL_FILE))
+    if not fsdp.full_alone(layout.shards):
+        return _tied_kept(found, keep_tied)
+    found.notices.extend(fsdp.left_beside(layout.root, fsdp.FULL_FILE))
     return _untie_fsdp(found, keep_tied)
+
+
+def _tied_kept(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
+    """A source read as saved: --keep-tied has nothing to keep, and the user hears so."""
+    if keep_tied:
+        ckpt.notices.append(
+            "--keep-tied does nothing here: only ZeRO and FSDP state leave tied heads out; read as saved"
+        )
+    return ckpt
 
 
 def _rel(path: Path, root: Path) -> Path:
@@ -349,16 +356,7 @@ def _ties_embeddings(root: Path) -> bool:
     )
 
 
-def _is_fsdp_full(layout: Layout) -> bool:
-    """A FULL_STATE_DICT ``pytorch_model_fsdp.bin`` read alone (no safetensors beside it)."""
-    from streamck.source.fsdp import FULL_FILE
-
-    return [s.name for s in layout.shards] == [FULL_FILE]
-
-
 def _untie_fsdp(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
     """An FSDP model (tied heads under both names, config.json maybe missing) as save_pretrained writes it."""
-    from streamck.source.fsdp import head_aliases, no_config
-
-    ckpt.notices.extend(no_config(ckpt.side_root or ckpt.root))
-    return _untie(ckpt, head_aliases(ckpt.tensors), keep_tied)
+    ckpt.notices.extend(fsdp.no_config(ckpt.side_root or ckpt.root))
+    return _untie(ckpt, fsdp.head_aliases(ckpt.tensors), keep_tied)

@@ -43,6 +43,11 @@ def model_dir(path: Path) -> Path | None:
     return first if (first / METADATA).is_file() else None
 
 
+def full_alone(shards: list[Path]) -> bool:
+    """Whether the weights found are FULL_STATE_DICT's ``pytorch_model_fsdp.bin`` alone."""
+    return [s.name for s in shards] == [FULL_FILE]
+
+
 def rank_file_error(path: Path) -> CheckpointError | None:
     """The error for ``path`` when it is one rank's file of an FSDP checkpoint saved per rank."""
     m = RANK_FILE.match(path.name)
