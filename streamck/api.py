@@ -110,7 +110,8 @@ def rewrite(
     maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
     size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
     ``.pth`` output name does too); ``key``/``zero``/``keep_tied`` choose what a torch
-    pickle or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the
+    pickle, a DCP checkpoint (``key="model"``: the weights of a model + optimizer save)
+    or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the
     target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
     (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
     an ``eagle3`` plan's step records; ``jobs`` writes that many shards at

@@ -218,7 +218,11 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None:
     if not diff:
         parser.add_argument("--step", help="in a training run root: a step number, or latest")
-    parser.add_argument("--key", help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict)")
+    parser.add_argument(
+        "--key",
+        help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict); "
+        "in a DCP checkpoint: only the items under this prefix (model, app.model), the prefix taken off",
+    )
     zero = "read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
     parser.add_argument("--zero", action="store_true", help=zero + (" (both sides)" if diff else ""))
     if diff:

@@ -3,8 +3,8 @@
 In ``checkpoint-N/`` (accelerate/utils/fsdp_utils.py, per ``fsdp_state_dict_type``):
 
 - SHARDED_STATE_DICT: ``pytorch_model_fsdp_0/``, torch DCP of ``{"model": state_dict}``
-  beside the optimizer's ``optimizer_0/``. Read as the model: the ``model.`` group with its
-  prefix removed, which gives the names ``save_pretrained`` writes.
+  beside the optimizer's ``optimizer_0/``. Read as the model: DCP's ``--key model``, the
+  ``model.`` group with its prefix removed, which gives the names ``save_pretrained`` writes.
 - FULL_STATE_DICT: ``pytorch_model_fsdp.bin``, a ``torch.save`` of the full state dict
   (beside ``optimizer.bin``); it matches ``pytorch_model*.bin`` and is read as a torch zip.
 - LOCAL_STATE_DICT (FSDP1 only) and SHARDED_STATE_DICT with ``use_dcp=False``: one
@@ -70,26 +70,13 @@ def rank_files_error(directory: Path) -> CheckpointError | None:
     return rank_file_error(found[0]) if found else None
 
 
-def select_model(entries: dict, where: Path) -> tuple[dict, list[str]]:
-    """The tensors under save_fsdp_model's ``model`` item, the prefix removed, and a notice
-    for any other top-level item left out; an error when there are none."""
-    prefix = MODEL_KEY + "."
-    chosen = {n[len(prefix) :]: e._replace(name=n[len(prefix) :]) for n, e in entries.items() if n.startswith(prefix)}
-    if not chosen:
-        raise CheckpointError(f"holds no {MODEL_KEY!r} item: not a model saved by accelerate's save_fsdp_model", where)
-    others = sorted({n.split(".", 1)[0] for n in entries if not n.startswith(prefix)})
-    notices = [f"top-level items {listing(others, 5)} left out: only {MODEL_KEY!r} is the model"] if others else []
-    return chosen, notices
-
-
 def read_fsdp(directory: Path) -> tuple[dict, list[str]]:
     """Index the model in a SHARDED_STATE_DICT folder (``pytorch_model_fsdp_<I>/``) by tensor,
     with the names ``save_pretrained`` writes; notices say what was left out beside it."""
     from streamck.source.distcp import read_distcp
 
-    entries, notices = read_distcp(directory)
-    chosen, more = select_model(entries, directory / METADATA)
-    return chosen, notices + more + left_beside(directory.parent, directory.name)
+    entries, notices = read_distcp(directory, MODEL_KEY)
+    return entries, notices + left_beside(directory.parent, directory.name)
 
 
 def left_beside(checkpoint: Path, read: str) -> list[str]:

@@ -156,8 +156,9 @@ def pick_step(path: Path, step: str | int) -> Path:
 
 def _distributed(path: Path) -> Layout | None:
     """A torch DCP checkpoint in ``path`` (native, or sharded safetensors), or None."""
-    if (path / DCP_METADATA).is_file():
-        return Layout(path, sorted(path.glob("*.distcp")), kind="distcp")
+    distcp = sorted(path.glob("*.distcp"))
+    if distcp or (path / DCP_METADATA).is_file() or any(path.glob("__*.metadata")):  # per-rank: use_collectives=False
+        return Layout(path, distcp, kind="distcp")
     shards = sorted(p for p in path.glob(DCP_SHARDS) if p.is_file())
     if shards:
         return Layout(path, shards, kind="dcp")
