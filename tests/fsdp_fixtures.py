@@ -21,7 +21,8 @@ FULL_STATE_DICT does not save through Trainer on CPU: with FSDP1, accelerate for
 crashes (SIGSEGV); with FSDP2, Trainer's ``save_model`` calls ``save_pretrained`` on rank 0
 alone with DTensors, a collective the other rank never joins (gloo size mismatch). So
 ``full/pytorch_model_fsdp.bin`` is accelerate's own ``save_fsdp_model`` with FULL_STATE_DICT,
-called on every rank on the trained FSDP2 model after ``train()``.
+called on every rank on the trained FSDP2 model after ``train()``; ``per_rank/`` the same call
+with SHARDED_STATE_DICT and ``use_dcp=False`` (``pytorch_model_fsdp_0_rank{R}.bin``).
 
 Beside each case: ``base/config.json``, the config the run started from; ``live.pt``, the
 trained model's full state dict from torch's ``get_model_state_dict(full_state_dict=True)``
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from trainer_fixtures import VOCAB, _free_port, _gloo_backend, llama_config
 
-FIXTURE_VERSION = 1
+FIXTURE_VERSION = 2
 
 # name, FSDP version, state_dict_type, tied head
 CASES = [
@@ -116,6 +117,7 @@ def _train(case: dict, out: Path) -> None:
         torch.save({k: v.detach().clone() for k, v in live.items()}, out / "live.pt")
         model.config.save_pretrained(out / "base")  # the config the run started from
     if case["version"] == 2 and case["state_dict_type"] == "SHARDED_STATE_DICT":
+        _save_per_rank(trainer, out / "per_rank")  # first: the FULL save leaves rank0_only set on the plugin
         _save_full(trainer, out / "full")
     dist.barrier()
 
@@ -130,6 +132,15 @@ def _save_full(trainer, out: Path) -> None:
     plugin.set_state_dict_type("FULL_STATE_DICT")
     save_fsdp_model(plugin, trainer.accelerator, trainer.model_wrapped, str(out))
     plugin.set_state_dict_type(kept)
+
+
+def _save_per_rank(trainer, out: Path) -> None:
+    """SHARDED_STATE_DICT saved per rank, ``pytorch_model_fsdp_0_rank{R}.bin``, as accelerate's
+    own ``save_fsdp_model(..., use_dcp=False)`` writes it."""
+    from accelerate.utils import save_fsdp_model
+
+    plugin = trainer.accelerator.state.fsdp_plugin
+    save_fsdp_model(plugin, trainer.accelerator, trainer.model_wrapped, str(out), use_dcp=False)
 
 
 def _worker(base: Path) -> None:

@@ -145,6 +145,16 @@ def test_local_state_dict_rank_files_are_refused_in_one_line(fsdp_cases, tmp_pat
         assert not (tmp_path / "hf").exists()
 
 
+def test_per_rank_sharded_files_are_refused_in_one_line(fsdp_cases, tmp_path):
+    """save_fsdp_model(use_dcp=False): one torch.save of each rank's DTensor shards."""
+    d = fsdp_cases["fsdp2_sharded_untied"]["dir"] / "per_rank"
+    assert sorted(p.name for p in d.iterdir()) == [f"pytorch_model_fsdp_0_rank{r}.bin" for r in (0, 1)]
+    for src in (d, d / "pytorch_model_fsdp_0_rank0.bin"):
+        r = cli("rewrite", src, "-o", tmp_path / "hf")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "use_dcp=False" in r.stderr, r.stderr
+        assert not (tmp_path / "hf").exists()
+
+
 def test_diff_against_accelerates_merge_finds_them_equal(fsdp_cases):
     case = fsdp_cases["fsdp2_sharded_untied"]
     r = cli("diff", case["checkpoint"], case["merged"], "--data")

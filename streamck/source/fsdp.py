@@ -53,10 +53,11 @@ def rank_file_error(path: Path) -> CheckpointError | None:
     m = RANK_FILE.match(path.name)
     if m is None:
         return None
-    if m.group(1):  # accelerate names use_dcp=False's SHARDED_STATE_DICT files with the model index
-        how = "a SHARDED_STATE_DICT saved per rank (use_dcp=False)"
-    else:
-        how = "FSDP1's LOCAL_STATE_DICT (flattened, padded parameter slices whose layout is not saved)"
+    # accelerate names LOCAL_STATE_DICT files of model 0 without its index, use_dcp=False's
+    # SHARDED_STATE_DICT files always with it: model 1's files may be either.
+    local = "FSDP1's LOCAL_STATE_DICT (flattened, padded parameter slices whose layout is not saved)"
+    sharded = "a SHARDED_STATE_DICT saved per rank (use_dcp=False)"
+    how = {None: local, "_0": sharded}.get(m.group(1), f"{local} or {sharded}")
     return CheckpointError(
         f"one rank's FSDP file, {how}: the model cannot be rebuilt from such files; "
         "save with fsdp_state_dict_type SHARDED_STATE_DICT (DCP) or FULL_STATE_DICT",
