@@ -9,7 +9,8 @@ In ``checkpoint-N/`` (accelerate/utils/fsdp_utils.py, per ``fsdp_state_dict_type
   (beside ``optimizer.bin``); it matches ``pytorch_model*.bin`` and is read as a torch zip.
 - LOCAL_STATE_DICT (FSDP1 only) and SHARDED_STATE_DICT with ``use_dcp=False``: one
   ``torch.save`` per rank (``pytorch_model_fsdp[_I]_rank{R}.bin``), refused: FSDP1's local
-  files hold each rank's slice of flattened, padded parameters, whose layout is not saved.
+  files hold each rank's slice of flattened, padded parameters, whose layout is not saved;
+  the per-rank SHARDED files hold pickled DTensors (objects, not a tensor state dict).
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def rank_file_error(path: Path) -> CheckpointError | None:
     # accelerate names LOCAL_STATE_DICT files of model 0 without its index, use_dcp=False's
     # SHARDED_STATE_DICT files always with it: model 1's files may be either.
     local = "FSDP1's LOCAL_STATE_DICT (flattened, padded parameter slices whose layout is not saved)"
-    sharded = "a SHARDED_STATE_DICT saved per rank (use_dcp=False)"
+    sharded = "a SHARDED_STATE_DICT saved per rank (use_dcp=False: pickled DTensor shards, not read)"
     how = {None: local, "_0": sharded}.get(m.group(1), f"{local} or {sharded}")
     return CheckpointError(
-        f"one rank's FSDP file, {how}: the model cannot be rebuilt from such files; "
-        "save with fsdp_state_dict_type SHARDED_STATE_DICT (DCP) or FULL_STATE_DICT",
+        f"one rank's FSDP file, {how}: streamck cannot rebuild the model from these; save with "
+        "fsdp_config state_dict_type SHARDED_STATE_DICT (DCP) or FULL_STATE_DICT",
         path,
     )
 
