@@ -18,22 +18,23 @@ import sys
 from pathlib import Path
 
 WORLD = 2
-HIDDEN, INTER, VOCAB = 1024, 2816, 32000
 
 
 def config(size: int):
-    """A Llama config of about ``size`` bytes in F32 (at least one layer)."""
+    """A Llama config of about ``size`` bytes in F32 (at least one layer); toy dimensions
+    below 256 MiB, so the harness test stays small."""
     from transformers import LlamaConfig
 
-    layer = 4 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER)
-    layers = max(1, (size - 4 * 2 * VOCAB * HIDDEN) // layer)
+    hidden, inter, vocab = (1024, 2816, 32000) if size >= 256 << 20 else (64, 176, 1024)
+    layer = 4 * (4 * hidden * hidden + 3 * hidden * inter)
+    layers = max(1, (size - 4 * 2 * vocab * hidden) // layer)
     return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
         num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=16,
+        num_attention_heads=16 if hidden >= 1024 else 4,
+        num_key_value_heads=16 if hidden >= 1024 else 4,
         tie_word_embeddings=False,
     )
 
