@@ -78,7 +78,7 @@ def test_sharded_checkpoint_to_a_loadable_model(fsdp_cases, tmp_path, name):
     ck = with_config(case, tmp_path)
     r = cli("rewrite", ck, "-o", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
-    assert "left out beside it: optimizer_0" in r.stderr and "no config.json" not in r.stderr
+    assert "left out beside it: optimizer_0 (optimizer state)" in r.stderr and "no config.json" not in r.stderr
     got = load_file(tmp_path / "hf" / "model.safetensors")
     equals(got, merged(case), {"lm_head.weight"} if case["tied"] else set())
     assert (tmp_path / "hf" / "config.json").is_file()

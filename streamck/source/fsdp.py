@@ -84,12 +84,10 @@ def read_fsdp(directory: Path) -> tuple[dict, list[str]]:
 def left_beside(checkpoint: Path, read: str) -> list[str]:
     """A notice naming what in ``checkpoint`` is not read beside ``read`` (the model that is):
     the optimizer's state and other models' folders."""
-    skipped = [n for n in OPTIMIZER if (checkpoint / n).exists()]
-    models = checkpoint.glob("pytorch_model_fsdp_*")
-    skipped += sorted(p.name for p in models if MODEL_DIR.match(p.name) and p.name != read)
-    if not skipped:
-        return []
-    return [f"read {read}; left out beside it: {listing(skipped, 4)} (optimizer state, other models)"]
+    skipped = [f"{n} (optimizer state)" for n in OPTIMIZER if (checkpoint / n).exists()]
+    models = sorted(p.name for p in checkpoint.glob("pytorch_model_fsdp_*") if MODEL_DIR.match(p.name))
+    skipped += [f"{n} (another model)" for n in models if n != read]
+    return [f"read {read}; left out beside it: {listing(skipped, 4)}"] if skipped else []
 
 
 def head_aliases(tensors: dict) -> dict[str, str]:
