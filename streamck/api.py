@@ -94,6 +94,7 @@ def rewrite(
     format: str | None = None,
     jobs: int = 1,
     part: tuple[int, int] | str | None = None,
+    keep_shards: bool = False,
     header_align: int = 8,
     force: bool = False,
     verify: bool = False,
@@ -115,7 +116,10 @@ def rewrite(
     target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
     (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
     an ``eagle3`` plan's step records; ``jobs`` writes that many shards at
-    once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
+    once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts);
+    ``keep_shards`` writes one file per source file, tensors in the source's order, so that
+    where the filesystem can share blocks (XFS reflink, btrfs) a rename shares them all
+    (``result.shared`` bytes; see streamck.writer.clone).
     Memory stays near one chunk (per job).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
@@ -155,6 +159,7 @@ def rewrite(
         format=format,
         jobs=jobs,
         part=parse_part(part) if isinstance(part, str) else part,
+        keep_shards=keep_shards,
     )
 
 

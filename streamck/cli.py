@@ -163,6 +163,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         format=args.format,
         jobs=args.jobs,
         part=part,
+        keep_shards=args.keep_shards,
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
@@ -172,10 +173,14 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
             "overflow": dict(sorted(result.overflow.items())),
             "tensors": len(plan.tensors),
             "total_size": result.total_size,
+            "shared_bytes": result.shared,
+            "copied_bytes": result.copied,
         }
         print(json.dumps(report, indent=2, sort_keys=True))
     elif not args.quiet:
-        print(f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}", file=sys.stderr)
+        wrote = f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}"
+        moved = f"{human(result.shared)} shared with the source, {human(result.copied)} copied"
+        print(f"{wrote} ({moved})", file=sys.stderr)
     return 0
 
 
@@ -311,6 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a file output's name decides (.safetensors, or .bin/.pt/.pth)",
     )
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
+    rw.add_argument(
+        "--keep-shards",
+        action="store_true",
+        help="one output file per source file, tensors in the source's order (shared, not copied, on XFS/btrfs)",
+    )
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
     rw.add_argument(
         "--device", type=_device, default=None, metavar="cpu|cuda[:N]", help="where casts run (default cpu)"
