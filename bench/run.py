@@ -5,6 +5,7 @@
     python bench/run.py index
     python bench/run.py dcp --size 2GiB      # torch DCP (sharded safetensors, .distcp) -> one file
     python bench/run.py zero --size 1GiB     # DeepSpeed ZeRO-3 checkpoint-N -> safetensors
+    python bench/run.py fsdp --size 2GiB     # Trainer + FSDP2 checkpoint-N -> safetensors
     python bench/run.py clone                # on a reflink XFS loop image (root), 2 and 16 GiB
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
@@ -497,6 +498,45 @@ def case_jobs(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_fsdp(a: argparse.Namespace, tmp: Path) -> str:
+    """Trainer + FSDP2 checkpoint-N (SHARDED_STATE_DICT, 2 ranks) -> safetensors: merge-weights vs streamck."""
+    from fsdp_ckpt import make_fsdp
+
+    size = parse_size(a.size)
+    ck, small = make_fsdp(tmp / "big", size), make_fsdp(tmp / "small", size // 4)
+    model = ck / "pytorch_model_fsdp_0"
+    data = _dir_bytes(model)
+    merge = str(Path(PY).with_name("accelerate"))
+    contenders = {
+        "cp -r + sync (pytorch_model_fsdp_0)": cp_fsync(model),
+        # merge_fsdp_weights: loads the whole state dict, then saves it; fsync as the others do
+        "accelerate merge-weights": lambda o: ["sh", "-c", f'"{merge}" merge-weights "{model}" "{o}" && sync "{o}"/*'],
+        "streamck rewrite checkpoint-N": lambda o: streamck("rewrite", str(ck), "-o", str(o), "-q"),
+        "accelerate merge-weights --help (its start-up alone)": lambda o: [merge, "merge-weights", "--help"],
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle, (model,))
+    # The figures count only if both wrote the same tensors, bit for bit.
+    for label, o in (("accelerate merge-weights", tmp / "m"), ("streamck rewrite checkpoint-N", tmp / "s")):
+        subprocess.run(contenders[label](o), check=True, capture_output=True)
+    subprocess.run(streamck("diff", str(tmp / "m"), str(tmp / "s"), "--data"), check=True, capture_output=True)
+    _, s_small = run_child(streamck("rewrite", str(small), "-o", str(out), "-q"), a.settle)
+    shutil.rmtree(out)
+    return (
+        f"Checkpoint: `checkpoint-1/pytorch_model_fsdp_0/` as accelerate's `save_fsdp_model` writes it "
+        f'(DCP of {{"model": get_model_state_dict(...)}}) from a Llama sharded by FSDP2 `fully_shard` '
+        f"on 2 gloo ranks, F32, {data / 2**30:.2f} GiB in 2 .distcp files (bench/fsdp_ckpt.py). Output: a "
+        "directory with model.safetensors, the same tensors bit for bit from both tools (`streamck diff --data`). "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "cp -r + sync (pytorch_model_fsdp_0)", data)
+        + f"\n\nstreamck peak RSS as the checkpoint grows: {mib(s_small)} at "
+        f"{_dir_bytes(small / 'pytorch_model_fsdp_0') / 2**30:.2f} GiB "
+        f"vs {mib(runs['streamck rewrite checkpoint-N'].peak)} at {data / 2**30:.2f} GiB."
+        + chart(a, runs, "fsdp", f"merging a {data / 2**30:.1f} GiB FSDP checkpoint: RSS over time")
+    )
+
+
 def _mib2(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -575,7 +615,7 @@ def record(name: str, text: str) -> None:
     path.write_text(doc)
 
 
-DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "clone": "2GiB,16GiB"}
+DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "fsdp": "2GiB", "clone": "2GiB,16GiB"}
 
 
 def main() -> None:

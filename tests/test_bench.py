@@ -58,3 +58,13 @@ def test_bench_dcp_and_zero_cases_run_at_toy_sizes(tmp_path):
     assert "| torch consolidate_safetensors_files |" in dcp and "| torch dcp_to_torch_save (.distcp) |" in dcp
     assert "| streamck rewrite (sharded safetensors) |" in dcp and "| streamck rewrite (.distcp) |" in dcp
     assert "| cp -r + sync (global_step1) |" in zero and "| streamck rewrite |" in zero
+
+
+def test_bench_fsdp_case_runs_at_toy_size(tmp_path):
+    """A Trainer + FSDP2 checkpoint-N (2 gloo ranks), toy size: accelerate merge-weights and
+    streamck write the same tensors (the case checks that itself)."""
+    args = ["fsdp", "--size", "8MiB", "--reps", "1", "--settle", "0", "--no-record"]
+    env = {**os.environ, "BENCH_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| accelerate merge-weights |" in proc.stdout and "| streamck rewrite checkpoint-N |" in proc.stdout
