@@ -5,6 +5,8 @@
     python bench/run.py index
     python bench/run.py dcp --size 2GiB      # torch DCP (sharded safetensors, .distcp) -> one file
     python bench/run.py zero --size 1GiB     # DeepSpeed ZeRO-3 checkpoint-N -> safetensors
+    python bench/run.py fsdp --size 2GiB     # Trainer + FSDP2 checkpoint-N -> safetensors
+    python bench/run.py clone                # on a reflink XFS loop image (root), 2 and 16 GiB
     python bench/run.py titan megatron       # torchtitan / Megatron checkpoints -> Hugging Face (156 MiB models)
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
@@ -33,7 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import PY, contend, cp_fsync, mib, plot, precompile, run_child, streamck, table  # noqa: E402
+from loopfs import reflink_mount, used  # noqa: E402
+from measure import PY, Runs, contend, cp_fsync, mib, plot, precompile, recache, run_child, streamck, table  # noqa: E402
 from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards  # noqa: E402
 
 from streamck.writer import parse_size  # noqa: E402
@@ -371,6 +374,36 @@ def case_dcp(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_dcpview(a: argparse.Namespace, tmp: Path) -> str:
+    """A DCP save whose blob is a transposed view (--embed bytes): gathered as a .pt view is."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    side = int((parse_size(a.embed) // 4) ** 0.5)
+    src = tmp / "dcp"
+    with warnings.catch_warnings():  # no_dist: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        state = {"w": torch.empty(side, side).normal_().t()}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(src)), no_dist=True)
+    os.sync()
+    data = _dir_bytes(src)
+    consolidate = str(HERE / "dcp_consolidate.py")
+    contenders = {
+        "cp -r + sync": cp_fsync(src),
+        "torch dcp_to_torch_save": lambda o: [PY, consolidate, "distcp", str(src), str(o)],
+        "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
+    }
+    runs = contend(contenders, tmp / "out.safetensors", a.reps, a.settle, (src,))
+    return (
+        f"Source: `dcp.save` of a {side}×{side} F32 matrix saved transposed ({data / 2**30:.2f} GiB .distcp, "
+        f"strides (1, {side})); each output row takes one element of every source row. {a.reps} interleaved "
+        f"reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync", data)
+    )
+
+
 HUB_DIR = Path(os.environ.get("BENCH_PYDEPS", Path.home() / ".cache" / "streamck-bench" / "pydeps"))
 HUB_INSTALL = f"{PY} -m pip install --no-deps --target {HUB_DIR} huggingface_hub"
 
@@ -542,6 +575,103 @@ def case_jobs(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_fsdp(a: argparse.Namespace, tmp: Path) -> str:
+    """Trainer + FSDP2 checkpoint-N (SHARDED_STATE_DICT, 2 ranks) -> safetensors: merge-weights vs streamck."""
+    from fsdp_ckpt import make_fsdp
+
+    size = parse_size(a.size)
+    ck, small = make_fsdp(tmp / "big", size), make_fsdp(tmp / "small", size // 4)
+    model = ck / "pytorch_model_fsdp_0"
+    data = _dir_bytes(model)
+    merge = str(Path(PY).with_name("accelerate"))
+    contenders = {
+        "cp -r + sync (pytorch_model_fsdp_0)": cp_fsync(model),
+        # merge_fsdp_weights: loads the whole state dict, then saves it; fsync as the others do
+        "accelerate merge-weights": lambda o: ["sh", "-c", f'"{merge}" merge-weights "{model}" "{o}" && sync "{o}"/*'],
+        "streamck rewrite checkpoint-N": lambda o: streamck("rewrite", str(ck), "-o", str(o), "-q"),
+        "accelerate merge-weights --help (its start-up alone)": lambda o: [merge, "merge-weights", "--help"],
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle, (model,))
+    # The figures count only if both wrote the same tensors, bit for bit.
+    for label, o in (("accelerate merge-weights", tmp / "m"), ("streamck rewrite checkpoint-N", tmp / "s")):
+        subprocess.run(contenders[label](o), check=True, capture_output=True)
+    subprocess.run(streamck("diff", str(tmp / "m"), str(tmp / "s"), "--data"), check=True, capture_output=True)
+    _, s_small = run_child(streamck("rewrite", str(small), "-o", str(out), "-q"), a.settle)
+    shutil.rmtree(out)
+    return (
+        f"Checkpoint: `checkpoint-1/pytorch_model_fsdp_0/` as accelerate's `save_fsdp_model` writes it "
+        f'(DCP of {{"model": get_model_state_dict(...)}}) from a Llama sharded by FSDP2 `fully_shard` '
+        f"on 2 gloo ranks, F32, {data / 2**30:.2f} GiB in 2 .distcp files (bench/fsdp_ckpt.py). Output: a "
+        "directory with model.safetensors, the same tensors bit for bit from both tools (`streamck diff --data`). "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "cp -r + sync (pytorch_model_fsdp_0)", data)
+        + f"\n\nstreamck peak RSS as the checkpoint grows: {mib(s_small)} at "
+        f"{_dir_bytes(small / 'pytorch_model_fsdp_0') / 2**30:.2f} GiB "
+        f"vs {mib(runs['streamck rewrite checkpoint-N'].peak)} at {data / 2**30:.2f} GiB."
+        + chart(a, runs, "fsdp", f"merging a {data / 2**30:.1f} GiB FSDP checkpoint: RSS over time")
+    )
+
+
+def _mib2(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _clone_size(a: argparse.Namespace, tmp: Path, size: int) -> str:
+    """One size of the clone case: the checkpoint and every contender on one XFS image."""
+    embed = min(parse_size(a.embed), size // 4)
+    with reflink_mount(tmp, 2 * size + (1 << 30)) as mnt:
+        src, out = make_checkpoint(mnt / "src", size, embed), mnt / "out"
+        data = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        shards = len(list(src.glob("*.safetensors")))
+        cp = 'cp -r --reflink={} "{}" "{}" && sync "{}"/*'
+        contenders = {
+            "cp -r --reflink=never + sync": lambda o: ["sh", "-c", cp.format("never", src, o, o)],
+            "cp -r --reflink=always + sync": lambda o: ["sh", "-c", cp.format("always", src, o, o)],
+            "streamck --keep-shards": lambda o: streamck(
+                "rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--keep-shards", "-q"
+            ),
+        }
+        recache(src)
+        runs = {label: Runs(label) for label in contenders}
+        new: dict[str, list[int]] = {label: [] for label in contenders}
+        for rep in range(a.reps):
+            for label, make in contenders.items():
+                time.sleep(a.settle)
+                before = used(mnt)  # settled: the last output's blocks are free again
+                wall, rss = run_child(make(out), 0)
+                new[label].append(used(mnt) - before)
+                runs[label].walls.append(wall)
+                runs[label].rss.append(rss)
+                line = f"  rep {rep + 1}/{a.reps} {label:<30} {wall:6.2f} s {_mib2(new[label][-1])} new"
+                print(line, file=sys.stderr)
+                shutil.rmtree(out)
+    rows = ["| contender | new blocks (median) | runs |", "|---|---|---|"]
+    rows += [f"| {k} | {_mib2(statistics.median(v))} | {', '.join(map(_mib2, v))} |" for k, v in new.items()]
+    return (
+        f"### {data / 2**30:.2f} GiB in {shards} shards\n\n"
+        + table(runs, "cp -r --reflink=never + sync", data)
+        + "\n\nNew blocks on the filesystem (statvfs before and after each run, settled, nothing removed between):\n\n"
+        + "\n".join(rows)
+    )
+
+
+@case
+def case_clone(a: argparse.Namespace, tmp: Path) -> str:
+    """Prefix strip on a reflink XFS loop image: streamck --keep-shards vs cp --reflink=never/always."""
+    sizes = [parse_size(s) for s in a.size.split(",")]
+    parts = []
+    for i, size in enumerate(sizes):
+        (tmp / str(i)).mkdir()
+        parts.append(_clone_size(a, tmp / str(i), size))
+    return (
+        f"XFS (`mkfs.xfs -m reflink=1`) on a loop device over a sparse image; kernel {os.uname().release}. "
+        f"F32 checkpoints, largest tensor {a.embed}, `--strip-prefix model.`; walls include interpreter start. "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + "\n\n".join(parts)
+    )
+
+
 def _ds_version() -> str:
     proc = subprocess.run(
         [PY, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"], capture_output=True, text=True
@@ -562,7 +692,15 @@ def record(name: str, text: str) -> None:
     path.write_text(doc)
 
 
-DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "titan": "156MiB", "megatron": "156MiB"}
+DEFAULT_SIZE = {
+    "dcp": "2GiB",
+    "zero": "1GiB",
+    "jobs": "2GiB",
+    "fsdp": "2GiB",
+    "clone": "2GiB,16GiB",
+    "titan": "156MiB",
+    "megatron": "156MiB",
+}
 
 
 def main() -> None:

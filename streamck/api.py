@@ -111,6 +111,7 @@ def rewrite(
     format: str | None = None,
     jobs: int = 1,
     part: tuple[int, int] | str | None = None,
+    keep_shards: bool = False,
     header_align: int = 8,
     force: bool = False,
     verify: bool = False,
@@ -133,8 +134,11 @@ def rewrite(
     target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
     (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
     an ``eagle3`` plan's step records; ``hf_config`` is the Hugging Face config.json giving
-    a trainer plan's model sizes (``plan="torchtitan-llama3"``, ``"megatron-gpt"``); ``jobs`` writes that many shards at
-    once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
+    a trainer plan's model sizes (``plan="torchtitan-llama3"``, ``"megatron-gpt"``); ``jobs``
+    writes that many shards at once; ``part="K/N"`` writes only part K of N of the shards
+    (see streamck.writer.parts); ``keep_shards`` writes one file per source file, tensors in
+    the source's order, so that where the filesystem can share blocks (XFS reflink, btrfs) a
+    rename shares them all (``result.shared`` bytes; see streamck.writer.clone).
     Memory stays near one chunk (per job).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
@@ -175,6 +179,7 @@ def rewrite(
         format=format,
         jobs=jobs,
         part=parse_part(part) if isinstance(part, str) else part,
+        keep_shards=keep_shards,
     )
 
 
@@ -200,9 +205,20 @@ def ls(
     return checkpoint_manifest(_checkpoint(source, step, key, zero, keep_tied))
 
 
-def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = (), data: bool = False) -> DiffResult:
+def diff(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    *,
+    ignore: Iterable[str] = (),
+    data: bool = False,
+    key: str | None = None,
+    zero: bool | tuple[bool, bool] = False,
+    keep_tied: bool = False,
+) -> DiffResult:
     """Compare two checkpoints or manifests (``streamck diff``); ``bool(result)`` is True
-    when they differ and ``str(result)`` is the report.
+    when they differ and ``str(result)`` is the report. ``key`` and ``keep_tied`` apply to
+    both sides, as open_checkpoint takes them; ``zero`` too, or per side as ``(a, b)``
+    (a ZeRO step against the model exported from it).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -213,7 +229,12 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = 
     >>> [x.differing for x in streamck.diff(f"{d}/a.safetensors", f"{d}/b.safetensors", data=True).data]
     [2]
     """
-    return _diff(a, b, ignore=tuple(ignore), data=data)
+    from streamck.check.diff import load_side
+
+    zero_a, zero_b = zero if isinstance(zero, tuple) else (zero, zero)
+    sa = load_side(a, key=key, zero=zero_a, keep_tied=keep_tied)
+    sb = load_side(b, key=key, zero=zero_b, keep_tied=keep_tied)
+    return _diff(sa, sb, ignore=tuple(ignore), data=data)
 
 
 def hash(

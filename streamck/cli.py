@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamck import __version__, manifest
-from streamck.errors import StreamckError, UsageError
+from streamck.errors import Info, StreamckError, UsageError
 from streamck.source import open_checkpoint
 
 if TYPE_CHECKING:
@@ -56,10 +56,12 @@ def _device(text: str) -> str:
     return text
 
 
-def _note(ckpt: Checkpoint) -> Checkpoint:
-    """Print a checkpoint's notices (items skipped as not tensors, a key or source chosen)."""
+def _note(ckpt: Checkpoint, quiet: bool = False) -> Checkpoint:
+    """Print a checkpoint's notices (items skipped as not tensors, a key or source chosen);
+    ``quiet`` keeps those that ask for action (not Info)."""
     for line in ckpt.notices:
-        print(f"streamck: note: {line}", file=sys.stderr)
+        if not (quiet and isinstance(line, Info)):
+            print(f"streamck: note: {line}", file=sys.stderr)
     return ckpt
 
 
@@ -114,7 +116,7 @@ def _compile(args: argparse.Namespace):
         hf_config=args.hf_config,
     )
     if plan.source is not None:
-        _note(plan.source)
+        _note(plan.source, getattr(args, "quiet", False))
     for line in plan.notices:
         print(f"streamck: note: {line}", file=sys.stderr)
     return plan
@@ -146,6 +148,11 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     part = parse_part(args.part) if args.part else None
     plan = _compile(args)
     if args.dry_run:
+        from streamck.writer.engine import file_format
+        from streamck.writer.torchsave import refuse_unsaveable
+
+        if "torch" in (args.format, args.output and args.output != "-" and file_format(Path(args.output))):
+            refuse_unsaveable(plan.tensors)  # as writing would
         if args.json:
             sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
         else:
@@ -164,6 +171,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         format=args.format,
         jobs=args.jobs,
         part=part,
+        keep_shards=args.keep_shards,
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
@@ -173,10 +181,14 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
             "overflow": dict(sorted(result.overflow.items())),
             "tensors": len(plan.tensors),
             "total_size": result.total_size,
+            "shared_bytes": result.shared,
+            "copied_bytes": result.copied,
         }
         print(json.dumps(report, indent=2, sort_keys=True))
     elif not args.quiet:
-        print(f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}", file=sys.stderr)
+        wrote = f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}"
+        moved = f"{human(result.shared)} shared with the source, {human(result.copied)} copied"
+        print(f"{wrote} ({moved})", file=sys.stderr)
     return 0
 
 
@@ -319,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a file output's name decides (.safetensors, or .bin/.pt/.pth)",
     )
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
+    rw.add_argument(
+        "--keep-shards",
+        action="store_true",
+        help="one output file per source file, tensors in the source's order (shared, not copied, on XFS/btrfs)",
+    )
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
     rw.add_argument(
         "--device", type=_device, default=None, metavar="cpu|cuda[:N]", help="where casts run (default cpu)"

@@ -64,3 +64,19 @@ def test_unknown_key_names_the_groups(dcp_trainers, tmp_path):
     r = cli("rewrite", dcp_trainers["fsdp2"], "--key", "train_state", "-o", tmp_path / "out")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
     assert "no tensors under key 'train_state'" in r.stderr
+
+
+def test_torchtitan_groups_name_the_drop_that_leaves_the_weights(tmp_path):
+    # torchtitan: model keys at the top, beside optimizer.*, lr_scheduler, train_state, dataloader
+    from streamck.source.dcp import select
+
+    tensors = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight", "optimizer.state.x.exp_avg"]
+    others = ["optimizer.param_groups.lr", "lr_scheduler.last_epoch", "train_state.step", "dataloader.rank_0"]
+    chosen, notes = select(tensors, others, None, tmp_path)
+    assert list(chosen) == tensors
+    assert notes[0] == (
+        "top-level groups: tok_embeddings 1 tensor, layers 1 tensor, norm 1 tensor, optimizer 1 tensor + 1 other "
+        "item, lr_scheduler 1 other item, train_state 1 other item, dataloader 1 other item; "
+        "rewrite --drop 'optimizer.*' leaves the weights"
+    )
+    assert len(notes) == 5  # and one line per group of skipped items

@@ -364,3 +364,15 @@ def test_dcp_step_blob_never_unpickled(ckpts, tmp_path):
     path.write_bytes(bytes(data))
     entries, notices = read_distcp(d)
     assert "step" not in entries and notices == ["step: 1 non-tensor item skipped (step)"]
+
+
+def test_dcp_encrypted_storage_record(ckpts, tmp_path):
+    # the blob's storage record is located by torchzip's one reader, with its encryption check
+    d = dcp_copy(ckpts, tmp_path)
+
+    def edit(c, e):
+        e[8] |= 1  # general purpose flag bit 0: encrypted
+        return c, e
+
+    patch_blob(d, "model.vec", (19,), "data/0", edit)
+    refused(r"'model.vec' chunk at \[19\]: .*archive record .*data/0 is encrypted", read_distcp, d)

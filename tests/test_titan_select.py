@@ -71,12 +71,15 @@ def _read_all_ways(tmp: Path, ref: TensorRef, chunk: int = 1 << 20) -> list[byte
         finally:
             os.close(fd)
         windows = b"".join(bytes(w) for w in reader.windows(ref, 52))
-    runs = b""
-    for run in ref.runs():
-        with open(run.path, "rb") as f:
-            f.seek(run.offset)
-            runs += f.read(run.length)
-    return [streamed, out.read_bytes(), windows, runs]
+    found = [streamed, out.read_bytes(), windows]
+    if not any(p.strides for p in ref.parts or (ref,)):  # a view has no runs: it is gathered
+        runs = b""
+        for run in ref.runs():
+            with open(run.path, "rb") as f:
+                f.seek(run.offset)
+                runs += f.read(run.length)
+        found.append(runs)
+    return found
 
 
 def _rope(a: np.ndarray, heads: int) -> np.ndarray:
@@ -122,6 +125,11 @@ def test_spans_index_and_rope_match_numpy(tmp_path, kind):
         _check(tmp_path, select(stacked[kind], index=i), A[i])
         _check(tmp_path, select(stacked[kind], Rows.span(2, 7), index=i), A[i, 2:7])
         _check(tmp_path, select(stacked[kind], Rows.rope_halves(2, 4), index=i), _rope(A[i], 2))
+
+
+def test_a_gathered_view_has_no_runs(tmp_path):
+    with pytest.raises(ValueError, match="read through a Reader"):
+        list(select(_plain(tmp_path, M), Rows.rope_halves(4, 6)).runs())
 
 
 def test_strided_source(tmp_path):
@@ -194,3 +202,17 @@ def test_shape_errors_name_derived_sizes():
     with pytest.raises(PlanError, match=r"expected \[2, 128, 64\] = \[L, QKV, H\] from L = num_hidden_layers, "
                        r"QKV = \(num_attention_heads \+ 2 \* num_key_value_heads\) \* head_dim"):
         check(ref.name, ref, ("L", "QKV", "H"), sizes, Path("ckpt"))
+
+
+def test_gathered_rows_are_never_shared_as_blocks(tmp_path):
+    """A reflink clone shares a source's bytes as they lie: rows gathered from elsewhere in a
+    file (a RoPE view, a group of ranges) are not those bytes."""
+    from streamck.plan.compile import OutputTensor
+    from streamck.writer.clone import Sharing
+
+    ref = _plain(tmp_path, M)
+    sharing = Sharing(os.stat(tmp_path).st_dev)
+    assert sharing.may_share(OutputTensor("w", ref, "F32"))
+    for sel in (select(ref, Rows.rope_halves(4, 6)), concat("q", [select(ref, Rows.span(0, 2)),
+                                                                  select(ref, Rows.span(4, 6))])):  # fmt: skip
+        assert not sharing.may_share(OutputTensor("q", sel, "F32"))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
+from streamck.source import fsdp
 from streamck.source.crosscheck import cross_check, side_object
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
@@ -179,7 +180,9 @@ def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoin
     from streamck.source import dcp, distcp
 
     files = {shard: FileStamp.of(shard) for shard in layout.shards}  # before reading: changes show
-    if layout.kind == "distcp":
+    if layout.kind == "fsdp":
+        entries, notices = fsdp.read_fsdp(layout.root)
+    elif layout.kind == "distcp":
         entries, notices = distcp.read_distcp(layout.root, key)
     else:
         entries, notices = dcp.read_sharded_safetensors(layout.shards, key)
@@ -225,8 +228,12 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
         return _not_empty(found, "DeepSpeed ZeRO")
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
+    if layout.kind == "fsdp":
+        if select not in (None, fsdp.MODEL_KEY):
+            raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, 'model'", path)
+        return _untie_fsdp(_not_empty(_index_distributed(path, layout, None), "FSDP"), keep_tied)
     if layout.kind != "files":
-        return _not_empty(_index_distributed(path, layout, select), "DCP")
+        return _tied_kept(_not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
@@ -260,7 +267,20 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
             return _not_empty(found, "DeepSpeed ZeRO")
         rel = _rel(layout.zero, layout.root)
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
-    return Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+    found = Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+    if not fsdp.full_alone(layout.shards):
+        return _tied_kept(found, keep_tied)
+    found.notices.extend(fsdp.left_beside(layout.root, fsdp.FULL_FILE))
+    return _untie_fsdp(found, keep_tied)
+
+
+def _tied_kept(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
+    """A source read as saved: --keep-tied has nothing to keep, and the user hears so."""
+    if keep_tied:
+        ckpt.notices.append(
+            "--keep-tied does nothing here: only ZeRO and FSDP state leave tied heads out; read as saved"
+        )
+    return ckpt
 
 
 def _rel(path: Path, root: Path) -> Path:
@@ -344,3 +364,9 @@ def _ties_embeddings(root: Path) -> bool:
     return config.get("tie_word_embeddings") is True or (
         isinstance(text, dict) and text.get("tie_word_embeddings") is True
     )
+
+
+def _untie_fsdp(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
+    """An FSDP model (tied heads under both names, config.json maybe missing) as save_pretrained writes it."""
+    ckpt.notices.extend(fsdp.no_config(ckpt.side_root or ckpt.root))
+    return _untie(ckpt, fsdp.head_aliases(ckpt.tensors), keep_tied)

@@ -98,6 +98,7 @@ def read_sharded_safetensors(paths: list[Path], key: str | None = None) -> tuple
     _shard_indices(paths)
     chunks: dict[str, list[tuple[str, Tile]]] = {}
     for path in paths:
+        _pickle_in_front(path)
         header = read_header(path)
         raw = header.metadata.get(SHARDING_KEY)
         if raw is None:
@@ -142,6 +143,18 @@ def read_sharded_safetensors(paths: list[Path], key: str | None = None) -> tuple
         shape = tuple(max(o + s for o, s in zip(*dims, strict=True)) for dims in _per_dim(tiles))
         entries[chosen[name]] = _finish(name, dtype, shape, tiles, where)._replace(name=chosen[name])
     return entries, notes
+
+
+def _pickle_in_front(path: Path) -> None:
+    """Refuse a rank file that starts with a torch.save archive: torch's HuggingFaceStorageWriter
+    writes a non-tensor item (a step counter) there, in front of the safetensors bytes."""
+    with open(path, "rb") as f:
+        if f.read(4) == b"PK\x03\x04":
+            raise CheckpointError(
+                "starts with a pickled non-tensor item, not a safetensors header: torch's "
+                "HuggingFaceStorageWriter writes such items in front of the tensors; save only tensors through it",
+                path,
+            )
 
 
 def _per_dim(tiles: list[Tile]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -139,6 +139,16 @@ def _disjoint(saved: Saved) -> None:
                 raise CheckpointError(f"the chunks {x} and {y} share bytes [{b}, {a + n})", path)
 
 
+# What a pickle of tensor subclasses (DTensor, ShardedTensor) rebuilds them through.
+_SUBCLASS_REBUILDERS = ("_rebuild_from_type_v2", "_rebuild_wrapper_subclass", "torch.distributed")
+
+
+def _why(name: str, refusal: str) -> str:
+    if any(r in refusal for r in _SUBCLASS_REBUILDERS):
+        return f"{name!r} holds DTensors or other tensor subclasses pickled whole, only the saving rank's shards"
+    return f"{name!r}: {refusal}"
+
+
 def _objects(files: _Files, saved: Saved) -> tuple[list[Entry], list[str], list[str]]:
     """The non-tensor items: under flatten_state_dict=False, the tensors of the ones that
     are pickled dicts (read like a .pt file's); the names of the rest, and why none were read."""
@@ -151,7 +161,7 @@ def _objects(files: _Files, saved: Saved) -> tuple[list[Entry], list[str], list[
             obj, starts = _archive(files, loc, f"item {name!r}")
         except CheckpointError as e:
             skipped.append(name)
-            why.append(f"{name!r}: {e.message}")
+            why.append(_why(name, e.message))
             continue
         leaves = _flatten({name: obj}, loc.path) if isinstance(obj, dict | list | tuple) else {name: obj}
         for leaf, value in leaves.items():

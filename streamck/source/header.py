@@ -32,7 +32,7 @@ import orjson
 
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError, OutputError
-from streamck.source.runs import Run, Tile, strided_runs, tile_runs
+from streamck.source.runs import Run, Tile, tile_runs
 from streamck.source.serde import MAX_NESTING, decode_json, serde_overflows
 from streamck.source.serde import Invalid as _Invalid
 
@@ -87,7 +87,8 @@ class TensorRef(NamedTuple):
         return tuple(dict.fromkeys(t.path for t in self.tiles))
 
     def runs(self) -> Iterator[Run]:
-        """The byte runs whose concatenation is this tensor, lazily (see streamck.source.runs)."""
+        """The byte runs whose concatenation is this tensor, lazily (see streamck.source.runs).
+        A strided view has none: its bytes are gathered in blocks (streamck.source.strided)."""
         if self.parts is not None:
             return (run for part in self.parts for run in part.runs())
         if self.tiles is not None:
@@ -95,8 +96,8 @@ class TensorRef(NamedTuple):
                 return iter(())
             grid = self.shape if len(self.tiles[0].offsets) == len(self.shape) else (self.numel,)
             return tile_runs(grid, BITS[self.dtype] // 8, self.tiles)
-        if self.strides is not None:
-            return strided_runs(self)
+        if self.strides is not None:  # one run per element of a transposed matrix: gathered instead
+            raise ValueError(f"{self.name}: a strided view is read through a Reader (streamck.source.strided)")
         return iter((Run(self.path, self.start, self.end - self.start),) if self.end > self.start else ())
 
 
@@ -256,6 +257,8 @@ def read_header(path: str | os.PathLike) -> Header:
             if len(prefix) < 8:
                 raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", path)
             (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER and prefix[:4] == b"PK\x03\x04":  # a zip's first bytes read as ~5.8e17
+                raise CheckpointError("is a zip archive (a torch.save pickle), not safetensors", path)
             if n > MAX_HEADER:
                 raise CheckpointError(f"header length {n} is above the {MAX_HEADER}-byte cap", path)
             if 8 + n > size:

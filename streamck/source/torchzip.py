@@ -19,7 +19,7 @@ import zlib
 from pathlib import Path
 
 from streamck.dtypes import BITS, TORCH
-from streamck.errors import CheckpointError, listing
+from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import Header, TensorRef
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
@@ -232,7 +232,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     tensors = [_ref(n, v, starts[v.storage.key], path) for n, v in leaves.items() if isinstance(v, _Lazy)]
     skipped = [n for n, v in leaves.items() if not isinstance(v, _Lazy)]  # step counters, hyperparameters
     if skipped:
-        notices.append(f"{path.name}: skipped entries that are not tensors ({len(skipped)}): {listing(skipped)}")
+        notices.append(Info(f"{path.name}: skipped entries that are not tensors ({len(skipped)}): {listing(skipped)}"))
     return Header(tensors, {}, 0)
 
 

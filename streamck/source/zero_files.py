@@ -5,6 +5,8 @@ reads the layout they make up)."""
 
 from __future__ import annotations
 
+import _compat_pickle
+import collections
 import math
 import os
 import pickle
@@ -48,7 +50,8 @@ _TENSOR_TYPES = {
 
 # Plain-data objects a trainer's client state puts into the model-states pickle (Lightning's
 # DeepSpeedStrategy passes its whole checkpoint dict: hyperparameters as ``AttributeDict`` or
-# ``Namespace``): read as inert stand-ins that hold what was pickled, like DeepSpeed's own.
+# ``Namespace``, or a Hydra run's OmegaConf config): read as inert stand-ins that hold what
+# was pickled, like DeepSpeed's own.
 DATA_ONLY = {
     ("argparse", "Namespace"): _Opaque,
     ("lightning.fabric.utilities.data", "AttributeDict"): dict,
@@ -56,13 +59,25 @@ DATA_ONLY = {
     ("lightning.pytorch.utilities.parsing", "AttributeDict"): dict,
     ("pytorch_lightning.utilities.parsing", "AttributeDict"): dict,
 }
+# Every class of these modules is a config node or its metadata; ``typing.Any`` is a node's type.
+DATA_ONLY_MODULES = ("omegaconf",)
+_TYPING = {("typing", "Any")}
+# Plain types such nodes name (an OmegaConf node's ``object_type``, its flags' ``defaultdict``),
+# under their Python 2 names too: torch.save pickles with protocol 2.
+_PLAIN = {
+    ("builtins", t.__name__): t for t in (dict, list, tuple, int, float, str, bool, bytes, set, frozenset)
+} | {("collections", "defaultdict"): collections.defaultdict}
+
+
+def _is_data_only(module: str, name: str) -> bool:
+    return (module, name) in DATA_ONLY or module.split(".", 1)[0] in DATA_ONLY_MODULES
 
 
 def _stub(module: str, name: str) -> type:
     cls = _STUBS.get((module, name))
     if cls is None:
         base = DATA_ONLY.get((module, name), _Opaque)
-        attrs = {"__module__": module, "__qualname__": name, "data_only": (module, name) in DATA_ONLY}
+        attrs = {"__module__": module, "__qualname__": name, "data_only": _is_data_only(module, name)}
         cls = _STUBS[(module, name)] = type(name, (base,), attrs)
     return cls
 
@@ -94,7 +109,9 @@ def _codecs_encode(text, encoding="latin1"):
 
 class _ZeroPickle(_WeightsOnly):
     def find_class(self, module: str, name: str):
-        if module == "deepspeed" or module.startswith("deepspeed.") or (module, name) in DATA_ONLY:
+        if module == "deepspeed" or module.startswith("deepspeed.") or _is_data_only(module, name):
+            return _stub(module, name)
+        if (module, name) in _TYPING:
             return _stub(module, name)
         if module == "torch" and name == "Size":
             return tuple
@@ -104,8 +121,10 @@ class _ZeroPickle(_WeightsOnly):
             return name
         if module == "_codecs" and name == "encode":
             return _codecs_encode
-        if module == "builtins" and name in ("set", "frozenset"):
-            return {"set": set, "frozenset": frozenset}[name]
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        if (module, name) in _PLAIN:
+            return _PLAIN[module, name]
         return super().find_class(module, name)
 
 
