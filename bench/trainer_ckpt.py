@@ -5,8 +5,8 @@
     python bench/trainer_ckpt.py convert_to_hf STEP DIMS OUT    # torchtitan's convert_to_hf.py route
     python bench/trainer_ckpt.py megatron_load RUN DIMS OUT     # load the whole model, split, save
 
-The checkpoints are written by tests/titan_fixtures.py and tests/megatron_fixtures.py (the
-trainers' own checkpointing code) at a size near PARAMS parameters (F32).
+The checkpoints are written by bench/titan_ckpt.py and bench/megatron_ckpt.py (the trainers'
+own checkpointing code, which the tests' fixtures run too) at a size near PARAMS parameters (F32).
 ``convert_to_hf`` does what torchtitan's scripts/checkpoint_conversion/convert_to_hf.py does:
 build the model, ``dcp.load`` the step into its state dict, the model's StateDictAdapter
 ``to_hf``, and ``dcp.save`` through torch's ``HuggingFaceStorageWriter`` with consolidation
@@ -22,8 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def titan_dims(params: int) -> tuple:
@@ -43,19 +42,19 @@ def megatron_dims(params: int) -> tuple:
 
 
 def convert_to_hf(step: Path, dims: tuple, out: Path) -> None:
-    import titan_fixtures
+    import titan_ckpt
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    titan_fixtures.import_torchtitan()
+    titan_ckpt.import_torchtitan()
     from torchtitan.components.checkpointer import ModelWrapper
 
     with torch.inference_mode():
-        config = titan_fixtures.model_config(dims)
+        config = titan_ckpt.model_config(dims)
         with torch.device("cpu"):
             model = config.build()
-        adapter = titan_fixtures._adapter(dims[0])(config, None)
+        adapter = titan_ckpt._adapter(dims[0])(config, None)
         state = ModelWrapper(model)._get_state_dict()
         dcp.load(state, checkpoint_id=str(step))
         hf = adapter.to_hf(state)
@@ -68,7 +67,7 @@ def convert_to_hf(step: Path, dims: tuple, out: Path) -> None:
 
 def megatron_load(run: Path, dims: tuple, out: Path) -> None:
     """megatron-core's own load of the whole model at TP=1, then the Bridge's split, then save_file."""
-    import megatron_fixtures as mf
+    import megatron_ckpt as mf
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -112,16 +111,16 @@ def megatron_load(run: Path, dims: tuple, out: Path) -> None:
 def main() -> None:
     what, root = sys.argv[1], Path(sys.argv[2])
     if what == "titan":
-        import titan_fixtures
+        import titan_ckpt
 
         dims = titan_dims(int(sys.argv[3]))
-        titan_fixtures.save_steps(root, {"bench": dims})
+        titan_ckpt.save_steps(root, {"bench": dims})
         print(json.dumps(dims))
     elif what == "megatron":
-        import megatron_fixtures
+        import megatron_ckpt
 
         dims = megatron_dims(int(sys.argv[3]))
-        megatron_fixtures.save_runs(root, {"bench": dims}, read_back=False)
+        megatron_ckpt.save_runs(root, {"bench": dims}, read_back=False)
         print(json.dumps(dims))
     elif what == "convert_to_hf":
         convert_to_hf(root, tuple(json.loads(sys.argv[3])), Path(sys.argv[4]))

@@ -1,5 +1,5 @@
 """``--plan megatron-gpt`` on checkpoints megatron-core 0.19.2's own ``dist_checkpointing.save``
-wrote (GPTModel, tensor parallel 2, gloo: tests/megatron_fixtures.py). Oracles: megatron-core's
+wrote (GPTModel, tensor parallel 2, gloo: bench/megatron_ckpt.py). Oracles: megatron-core's
 own TP=2 forward against transformers loading the output, and megatron-core's own reader
 (``dist_checkpointing.load`` at TP=1) tensor for tensor."""
 
@@ -19,6 +19,7 @@ from helpers import cli
 torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).parent
+BENCH = HERE.parent / "bench"  # the trainers' own checkpointing code, shared with the bench
 PLAN = "megatron-gpt"
 # megatron-core 0.19.2 declares Python >= 3.12 but runs here from its unpacked wheel (scripts/test).
 MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(HERE.parent / ".venv" / "megatron-core-0.19.2"))
@@ -27,7 +28,8 @@ MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(HERE.parent / ".venv" / 
 @pytest.fixture(scope="session")
 def megatron(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture run folders by model name, built once per fixture-script version (cached)."""
-    digest = hashlib.sha256((HERE / "megatron_fixtures.py").read_bytes()).hexdigest()[:12]
+    code = (BENCH / "megatron_ckpt.py").read_bytes() + (BENCH / "standins.py").read_bytes()
+    digest = hashlib.sha256(code).hexdigest()[:12]
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir("streamck-megatron")) if cache is not None else tmp_path_factory.mktemp("megatron")
     base = root / f"megatron-{digest}"
@@ -36,9 +38,9 @@ def megatron(request, tmp_path_factory) -> dict[str, Path]:
             pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
         tmp = base.with_name(base.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        path = os.pathsep.join([str(HERE), MEGATRON, os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(BENCH), MEGATRON, os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-        done = subprocess.run([sys.executable, str(HERE / "megatron_fixtures.py"), str(tmp)], env=env,
+        done = subprocess.run([sys.executable, str(BENCH / "megatron_ckpt.py"), str(tmp)], env=env,
                               capture_output=True, text=True, timeout=1200)  # fmt: skip
         if done.returncode:
             raise RuntimeError(f"megatron fixture failed:\n{done.stderr[-6000:]}")

@@ -1,5 +1,5 @@
 """``--plan torchtitan-llama3`` on steps torchtitan 0.3.0's own CheckpointManager wrote
-(FSDP2, 2 gloo ranks: tests/titan_fixtures.py). Oracles: torchtitan's convert_to_hf
+(FSDP2, 2 gloo ranks: bench/titan_ckpt.py). Oracles: torchtitan's convert_to_hf
 (its StateDictAdapter.to_hf on the dcp.load-ed state) tensor for tensor, and the
 trainer's own forward against transformers loading the output with from_pretrained."""
 
@@ -20,13 +20,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
 
 HERE = Path(__file__).parent
+BENCH = HERE.parent / "bench"  # the trainers' own checkpointing code, shared with the bench
 PLAN = "torchtitan-llama3"
 
 
 @pytest.fixture(scope="session")
 def titan(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture folders by model name, built once per fixture-script version (cached)."""
-    digest = hashlib.sha256((HERE / "titan_fixtures.py").read_bytes()).hexdigest()[:12]
+    code = (BENCH / "titan_ckpt.py").read_bytes() + (BENCH / "standins.py").read_bytes()
+    digest = hashlib.sha256(code).hexdigest()[:12]
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir("streamck-titan")) if cache is not None else tmp_path_factory.mktemp("titan")
     base = root / f"titan-{digest}"
@@ -34,7 +36,7 @@ def titan(request, tmp_path_factory) -> dict[str, Path]:
         tmp = base.with_name(base.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(HERE / "titan_fixtures.py"), str(tmp)], env=env,
+        done = subprocess.run([sys.executable, str(BENCH / "titan_ckpt.py"), str(tmp)], env=env,
                               capture_output=True, text=True, timeout=1200)  # fmt: skip
         if done.returncode:
             raise RuntimeError(f"torchtitan fixture failed:\n{done.stderr[-6000:]}")

@@ -1,7 +1,7 @@
 """Checkpoints written by megatron-core 0.19.2's own ``dist_checkpointing.save`` (``torch_dist``),
 GPTModel at tensor parallel 2 on 2 gloo ranks, CPU.
 
-``python tests/megatron_fixtures.py ROOT`` (in a child, megatron-core on the path) builds
+``python bench/megatron_ckpt.py ROOT`` (in a child, megatron-core on the path) builds
 each model of MODELS with megatron-core's local layer spec (its norms saved under TE's
 names, ``linear_qkv.layer_norm_weight``), saves ``{"model": sharded_state_dict, "args":
 Namespace, "iteration": N, "checkpoint_version": 3.0}`` into ``ROOT/<name>/iter_0000010/``
@@ -14,7 +14,7 @@ Beside each: ``config.json`` (the Hugging Face config of the model, transformers
 ``full.safetensors`` (the checkpoint read back by ``dist_checkpointing.load`` into a TP=1
 model in one process: megatron-core's own reader, per-layer names).
 
-Stand-ins, all outside checkpointing: ``triton`` at import (standins.without_triton),
+Stand-ins, all outside checkpointing: ``triton`` at import (bench/standins.py),
 ``torch.cuda.synchronize`` (a no-op) and ``torch.cuda.current_device`` (``"cpu"``), which
 megatron-core's save path calls unconditionally, and ``torch.cuda.get_rng_state`` /
 ``set_rng_state`` (the CPU generator's), which its model-parallel RNG tracker calls.

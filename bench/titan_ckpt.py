@@ -1,6 +1,6 @@
 """Checkpoints written by torchtitan 0.3.0's own CheckpointManager, on CPU/gloo, 2 ranks, FSDP2.
 
-``python tests/titan_fixtures.py ROOT`` (run in a child: torchtitan imports torch's
+``python bench/titan_ckpt.py ROOT`` (run in a child: torchtitan imports torch's
 compiler stack) builds each model of MODELS with torchtitan's own layer builders, shards
 it with ``fully_shard`` over 2 gloo ranks, takes one optimizer step with torchtitan's
 ``OptimizersContainer`` and ``LRSchedulersContainer``, and saves with
