@@ -160,7 +160,12 @@ def test_refused_before_writing(megatron, tmp_path):
     assert "hidden_size is 32, the checkpoint's args say 64" in refused(run)
     _edit_json(run / "config.json", hidden_size=64, vocab_size=300)
     assert "vocab_size 300 exceeds the checkpoint's 256 rows" in refused(run)
-    _edit_json(run / "config.json", vocab_size=250, tie_word_embeddings=True)
+    _edit_json(run / "config.json", vocab_size=250, model_type="qwen2")
+    message = "model_type 'qwen2' does not build this checkpoint's model (no qkv bias or q/k norms: 'llama')"
+    assert message in refused(run)
+    _edit_json(run / "config.json", model_type="llama", attention_bias=True)
+    assert "model_type 'llama' does not build" in refused(run)
+    _edit_json(run / "config.json", attention_bias=False, tie_word_embeddings=True)
     assert "the config ties the output head, the checkpoint has its output_layer.weight" in refused(run)
     (run / "latest_checkpointed_iteration.txt").write_text("20")
     assert "latest_checkpointed_iteration.txt says '20', and there is no such iteration folder" in refused(run)

@@ -141,6 +141,7 @@ REFUSED = [
     ("llama3", {"tie_word_embeddings": True}, "lm_head.weight is not tok_embeddings.weight in this checkpoint"),
     ("llama3", {"intermediate_size": "96"}, "intermediate_size must be a positive integer, not '96'"),
     ("qwen3", {"model_type": "llama"}, "has q_norm/k_norm weights, but the config's model_type is 'llama'"),
+    ("llama3", {"attention_bias": True}, "attention_bias: true, but torchtitan's llama has no biases"),
 ]
 
 

@@ -146,6 +146,37 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     ckpt = open_checkpoint(step)
     keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     _refuse_features(args, keys, step)
+    sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config)
+    bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
+    table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
+    expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
+    hf_export.compare_keys(expected, keys, f"a GPTModel ({sizes['L']} layers)", step)
+    if config is None:
+        config = _hf_config(args, sizes, bias, norms, tied)
+    else:
+        _config_fits(config, bias, norms, tied, config_path)
+    for _, key, _, exprs in (*TOP, *table, *(() if tied else (HEAD,))):
+        hf_export.check(key, keys[key], exprs, sizes, step)
+    outputs = _outputs(keys, table, sizes, bool(args.get("rotary_interleaved")), tied)
+    sources = [*(["its args"] if args else []), *([str(config_path)] if config_path else [])]
+    features = (", qkv bias" if bias else "") + (", q/k norms" if norms else "") + (", tied head" if tied else "")
+    summary = [
+        f"Megatron GPTModel, iteration {iteration}: "
+        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V"))
+        + (f" (of {sizes['Vp']} padded rows)" if sizes["Vp"] != sizes["V"] else "")
+        + features,
+        f"step: {step}; sizes from {' and '.join(sources)}",
+    ]
+    state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
+    left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
+    return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+
+
+def _sizes_and_config(
+    step: Path, args: dict, keys: dict, hf_config: str | None
+) -> tuple[dict[str, int], dict | None, Path | None]:
+    """The shape symbols, and the Hugging Face config with its path when one is given or
+    lies beside the step (required when the checkpoint holds no args)."""
     given = hf_config is not None or (step / "config.json").is_file() or (step.parent / "config.json").is_file()
     config_path = hf_export.find_config(step, hf_config, PLAN) if given or not args else None
     config = hf_export.load_config(config_path) if config_path else None
@@ -154,40 +185,35 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
         sizes = _agree(sizes, config, config_path) if config is not None else sizes
     else:
         sizes = _from_config(config, keys, config_path)
-    hd, nkv, nh = sizes["d"], sizes["nkv"], sizes["nh"]
-    sizes["QKV"] = (nh + 2 * nkv) * hd
-    interleaved = bool(args.get("rotary_interleaved"))
-    bias = QKV_BIAS[0][1] in keys
-    norms = QK_NORM[0][1] in keys
-    tied = HEAD[1] not in keys
-    table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
-    expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
-    hf_export.compare_keys(expected, keys, f"a GPTModel ({sizes['L']} layers)", step)
-    if config is None:
-        config = _hf_config(args, sizes, bias, norms, tied)
-    elif bool(config.get("tie_word_embeddings")) != tied:
+    sizes["QKV"] = (sizes["nh"] + 2 * sizes["nkv"]) * sizes["d"]
+    return sizes, config, config_path
+
+
+def _config_fits(config: dict, bias: bool, norms: bool, tied: bool, where: Path) -> None:
+    """A given config builds the checkpoint's model: the family its features need (a
+    transformers model with biases or norms the weights lack would keep them at their init,
+    without a word), and the same head tying."""
+    want = next((HF_MODELS[k][1] for k, on in (("qk_layernorm", norms), ("add_qkv_bias", bias)) if on), HF_DEFAULT[1])
+    kind = config.get("model_type")
+    fits = not norms and bool(config.get("attention_bias")) == bias if kind == "llama" else kind == want
+    if not fits:
+        have = "a qkv bias" if bias else "q/k norms" if norms else "no qkv bias or q/k norms"
+        raise PlanError(f"model_type {kind!r} does not build this checkpoint's model ({have}: {want!r})", where)
+    if bool(config.get("tie_word_embeddings")) != tied:
         says = "ties" if config.get("tie_word_embeddings") else "does not tie"
         raise PlanError(f"the config {says} the output head, the checkpoint {'has no' if tied else 'has its'} "
-                        f"{HEAD[1]}", config_path)  # fmt: skip
-    for _, key, _, exprs in (*TOP, *table, *(() if tied else (HEAD,))):
-        hf_export.check(key, keys[key], exprs, sizes, step)
-    outputs = [select(keys[key], rows(kind, sizes, interleaved), name=hf) for hf, key, kind, _ in TOP]
+                        f"{HEAD[1]}", where)  # fmt: skip
+
+
+def _outputs(keys: dict, table: list, sizes: dict, interleaved: bool, tied: bool) -> list[TensorRef]:
+    """Every Hugging Face tensor as rows of the Megatron ones: the top-level ones, then per layer."""
+    out = [select(keys[key], rows(kind, sizes, interleaved), name=hf) for hf, key, kind, _ in TOP]
     if not tied:
-        outputs.append(select(keys[HEAD[1]], rows(HEAD[2], sizes, interleaved), name=HEAD[0]))
+        out.append(select(keys[HEAD[1]], rows(HEAD[2], sizes, interleaved), name=HEAD[0]))
     for i in range(sizes["L"]):
         for hf, key, kind, _ in table:
-            outputs.append(select(keys[key], rows(kind, sizes, interleaved), index=i, name=hf.format(i=i)))
-    summary = [
-        f"Megatron GPTModel, iteration {iteration}: "
-        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V"))
-        + (f" (of {sizes['Vp']} padded rows)" if sizes["Vp"] != sizes["V"] else "")
-        + (", qkv bias" if bias else "") + (", q/k norms" if norms else "") + (", tied head" if tied else ""),
-        f"step: {step}; sizes from " + ("its args" if args else "") + (" and " if args and config_path else "")
-        + (str(config_path) if config_path else ""),
-    ]  # fmt: skip
-    state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
-    left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
-    return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+            out.append(select(keys[key], rows(kind, sizes, interleaved), index=i, name=hf.format(i=i)))
+    return out
 
 
 def _hf_config(args: dict, s: dict[str, int], bias: bool, norms: bool, tied: bool) -> dict:

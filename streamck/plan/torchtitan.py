@@ -25,6 +25,8 @@ from streamck.source.layout import DCP_METADATA
 from streamck.source.select import Rows, select
 
 PLAN = "torchtitan-llama3"
+# Config flags for biases that torchtitan's Llama 3 and Qwen3 never have.
+BIAS_FLAGS = ("attention_bias", "mlp_bias")
 # Bytes of a tied head compared with the embedding (see _same_head).
 HEAD_SAMPLE = 1 << 16
 
@@ -57,6 +59,9 @@ def _family(config: dict, names: set[str], column: int, where: Path, config_path
         known = ", ".join(FAMILIES)
         raise PlanError(f"model_type {kind!r}: --plan {PLAN} converts {known} (dense) models", config_path)
     permute, norms = FAMILIES[kind]
+    biased = [k for k in BIAS_FLAGS if config.get(k) is True]
+    if biased:  # transformers would build biases the weights lack and keep them at zero, without a word
+        raise PlanError(f"{', '.join(biased)}: true, but torchtitan's {kind} has no biases", config_path)
     has_norms = QK_NORM[0][column].format(i=0) in names
     if has_norms != norms:
         says = "has" if has_norms else "has no"
