@@ -102,7 +102,7 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
     if not tied:
         rows.append(HEAD)
     elif head_key in model:
-        _same_head(ckpt, model[head_key], model[TOP[0][column]], config_path)
+        _same_head(model[head_key], model[TOP[0][column]], config_path)
     outputs = [_output(model[r[column]], r, sizes, permute, step) for r in rows]
     summary = [
         f"torchtitan {list(VERSIONS)[column - 1]} {config['model_type']}: "
@@ -116,13 +116,14 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
 
 
 def _output(ref: TensorRef, row: tuple, sizes: dict[str, int], permute: bool, where: Path) -> TensorRef:
+    """The Hugging Face tensor of one layout row from ``ref``, its shape checked first."""
     hf_name, *_, kind, exprs = row
     hf_export.check(ref.name, ref, exprs, sizes, where)
     order = _rows(kind, sizes, ref.name, where) if permute else None
     return select(ref, order, name=hf_name)
 
 
-def _same_head(ckpt: Checkpoint, head: TensorRef, embed: TensorRef, config_path: Path) -> None:
+def _same_head(head: TensorRef, embed: TensorRef, config_path: Path) -> None:
     """A config that ties the head, for a checkpoint whose head is not its embedding, is
     another model's: leaving the head out would change the model. The first rows tell."""
     from streamck.source.reader import Reader
