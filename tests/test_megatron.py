@@ -176,6 +176,9 @@ def test_refused_before_writing(megatron, tmp_path):
     (run / "latest_checkpointed_iteration.txt").unlink()
     assert "is not a Megatron dist checkpoint (no metadata.json); iterations here: iter_0000010" in refused(run)
     assert "--hf-config: no such file" in refused(megatron["gpt"], "--hf-config", tmp_path / "none.json")
+    legacy = tmp_path / "iter_0000003"
+    (legacy / "mp_rank_00").mkdir(parents=True)
+    assert "a legacy mp_rank_* checkpoint: save with --ckpt-format torch_dist" in refused(legacy)
 
 
 class _Shell:

@@ -56,6 +56,8 @@ def step_dir(path: Path) -> Path:
     if not meta.is_file():
         found = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
         hint = f"; iterations here: {', '.join(found)}" if found else ""
+        if any(path.glob("mp_rank_*")):
+            hint = "; a legacy mp_rank_* checkpoint: save with --ckpt-format torch_dist"
         raise PlanError(f"is not a Megatron dist checkpoint (no metadata.json){hint}", path)
     try:
         backend = orjson.loads(meta.read_bytes()).get("sharded_backend")
