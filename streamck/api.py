@@ -70,7 +70,7 @@ def build_plan(
         if isinstance(source, Checkpoint):
             raise UsageError(f"plan {plan!r} opens its own source: pass a path, not a Checkpoint")
         if key is not None or zero or keep_tied:
-            raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {plan}, which reads safetensors")
+            raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {plan}, which opens its own source")
         path = pick_step(Path(source), step) if step is not None else source
         extra = {"verifier": verifier} if verifier is not None else {}
         if extra and os.fspath(plan) not in VERIFIER_PLANS:

@@ -167,3 +167,11 @@ def test_refused_arguments(titan, tmp_path):
                "--hf-config", titan["llama3"] / "config.json", check=2)  # fmt: skip
     assert "is not a torchtitan step" in proc.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_source_options_are_refused(titan, tmp_path):
+    """The plan opens the step itself: --key, --zero and --keep-tied would be ignored."""
+    proc = _rewrite(titan["llama3"], tmp_path / "hf", "--key", "model", check=2)
+    assert "--key, --zero and --keep-tied do not apply to --plan torchtitan-llama3, which opens its own source" in (
+        proc.stderr
+    )
