@@ -45,9 +45,14 @@ def build_plan(
     copy_files: bool = True,
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
+    merge_lora: str | os.PathLike | None = None,
+    safe_merge: bool = False,
+    lora_any_base: bool = False,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
-    sources and dtypes, and the side files.
+    sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
+    to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``lora_any_base``
+    skips the check that it was trained on this base), see streamck.plan.lora.
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
@@ -69,12 +74,26 @@ def build_plan(
                 raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
             extra["aux_layer_ids"] = aux_layer_ids
         return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
+    if merge_lora is not None and plan is not None and os.fspath(plan) in BUILTIN_PLANS:
+        raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {plan}")
     if verifier is not None:
         raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
     if aux_layer_ids is not None:
         raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
-    return compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
+    compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
+    return compiled if merge_lora is None else _merge_lora(compiled, merge_lora, safe_merge, lora_any_base)
+
+
+def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool) -> Plan:
+    """``plan`` with the adapter merged in; torch (which computes the merge) checked first."""
+    from streamck.plan.lora import merge_lora
+
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        raise UsageError("--merge-lora needs torch, which is not installed: pip install 'streamck[cast]'") from None
+    return merge_lora(plan, adapter, safe_merge=safe_merge, any_base=any_base)
 
 
 def rewrite(
@@ -101,6 +120,9 @@ def rewrite(
     drop_cache: bool = False,
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
+    merge_lora: str | os.PathLike | None = None,
+    safe_merge: bool = False,
+    lora_any_base: bool = False,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -140,6 +162,9 @@ def rewrite(
         copy_files=copy_files,
         verifier=verifier,
         aux_layer_ids=aux_layer_ids,
+        merge_lora=merge_lora,
+        safe_merge=safe_merge,
+        lora_any_base=lora_any_base,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(

@@ -111,6 +111,9 @@ def _compile(args: argparse.Namespace):
         copy_files=not args.no_copy_files,
         verifier=args.verifier,
         aux_layer_ids=args.aux_layer_ids,
+        merge_lora=args.merge_lora,
+        safe_merge=args.safe_merge,
+        lora_any_base=args.merge_lora_any_base,
     )
     if plan.source is not None:
         _note(plan.source)
@@ -289,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
         "(Automodel's ids), over what the step records",
     )
+    lora = rw.add_argument_group("merging a PEFT LoRA adapter (needs torch)")
+    lora.add_argument("--merge-lora", metavar="ADAPTER", help="merge this adapter folder in (as merge_and_unload)")
+    lora.add_argument("--safe-merge", action="store_true", help="as PEFT's safe_merge: refuse non-finite results")
+    lora.add_argument("--merge-lora-any-base", action="store_true", help="skip the base_model_name_or_path check")
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(
         "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"

@@ -143,7 +143,11 @@ class ShardWriter:
         with Writeback(out, self.progress, self.writeback_pool()) as progress:
             for t in shard.tensors:
                 src = t.source
-                if t.is_cast:
+                if t.merge is not None:
+                    for view in self.merged(t):
+                        write_all(out, view)
+                        progress(len(view))
+                elif t.is_cast:
                     n = self.get_caster().cast(self.reader.stream(src), t.dtype, out, progress)
                     if n:
                         self.overflow[t.name] = n
@@ -170,7 +174,12 @@ class ShardWriter:
                 writeback(len(piece))
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
-        """``t``'s output bytes in bounded pieces: its source's, or cast (on the CPU)."""
+        """``t``'s output bytes in bounded pieces: its source's, computed, or cast (on the CPU)."""
+        if t.merge is not None:
+            for view in self.merged(t):
+                self.progress(len(view))
+                yield view
+            return
         if not t.is_cast:
             for view in self.reader.windows(t.source):
                 self.progress(len(view))
@@ -183,6 +192,12 @@ class ShardWriter:
             yield view
         if overflow:
             self.overflow[t.name] = overflow
+
+    def merged(self, t: OutputTensor) -> Iterator[memoryview]:
+        """A computed tensor's bytes (a LoRA merge, which imports torch)."""
+        from streamck.writer.merge import merged_pieces
+
+        return merged_pieces(t, self.reader, self.chunk)
 
     def cpu_caster(self):
         """A CPU caster: this run's own when it casts on the CPU, else one made on first use."""

@@ -1,0 +1,79 @@
+"""--merge-lora against PEFT itself: PeftModel.from_pretrained, merge_and_unload and
+save_pretrained on the same base and adapter (tests/lora_fixtures.py) must give the same
+tensors bit for bit, the same names and the same tie_word_embeddings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import cli
+from lora_fixtures import CASES, build_case, config_of
+from safetensors.torch import load_file
+
+from streamck import write_plan
+from streamck.api import build_plan
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="session")
+def lora_cases(tmp_path_factory):
+    root, cache = tmp_path_factory.mktemp("lora"), {}
+    return lambda name: build_case(root, name, cache)
+
+
+def load_dir(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def assert_same(got_dir, want_dir) -> None:
+    got, want = load_dir(got_dir), load_dir(want_dir)
+    assert sorted(got) == sorted(want)
+    differ = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k].view(-1).view(torch.uint8),
+                                                                                   want[k].view(-1).view(torch.uint8))]
+    assert differ == []
+    assert config_of(got_dir).get("tie_word_embeddings") == config_of(want_dir).get("tie_word_embeddings")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_merge_equals_peft(lora_cases, name, tmp_path):
+    """Small blocks (16 rows, 4 KiB of fp32) so every tensor is merged in several blocks."""
+    case = lora_cases(name)
+    plan = build_plan(case["base"], merge_lora=case["adapter"], safe_merge=case.get("safe_merge", False))
+    write_plan(plan, tmp_path / "out", chunk=4096)
+    assert_same(tmp_path / "out", case["oracle"])
+
+
+def test_the_merge_changes_what_it_merges(lora_cases, tmp_path):
+    """The oracle is not the base: a merge that wrote the base unchanged would fail above."""
+    case = lora_cases("plain")
+    base, merged = load_dir(case["base"]), load_dir(case["oracle"])
+    changed = sorted(k for k in base if not torch.equal(base[k], merged[k]))
+    assert len(changed) == 14 and all("proj" in k for k in changed)
+
+
+def test_cli_merge_and_verify(lora_cases, tmp_path):
+    case = lora_cases("dora")
+    proc = cli("rewrite", case["base"], "-o", tmp_path / "out", "--merge-lora", case["adapter"], "--verify", check=0)
+    assert proc.stdout == ""
+    assert_same(tmp_path / "out", case["oracle"])
+
+
+def test_dry_run_says_what_merges(lora_cases):
+    case = lora_cases("rslora_patterns")
+    proc = cli("rewrite", case["base"], "-o", "x", "--merge-lora", case["adapter"], "--dry-run", check=0)
+    assert "merging rsLoRA adapter" in proc.stdout and "14 modules" in proc.stdout
+
+
+def test_merge_then_cast(lora_cases, tmp_path):
+    """--dtype after the merge: PEFT's bf16 result, cast (here to fp32: exact)."""
+    case = lora_cases("plain")
+    cli("rewrite", case["base"], "-o", tmp_path / "out", "--merge-lora", case["adapter"], "--dtype", "fp32", check=0)
+    got, want = load_dir(tmp_path / "out"), load_dir(case["oracle"])
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k].float()) for k in want)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
