@@ -34,8 +34,12 @@ def load_dir(path) -> dict[str, torch.Tensor]:
 def assert_same(got_dir, want_dir) -> None:
     got, want = load_dir(got_dir), load_dir(want_dir)
     assert sorted(got) == sorted(want)
-    differ = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k].view(-1).view(torch.uint8),
-                                                                                   want[k].view(-1).view(torch.uint8))]
+    differ = [
+        k
+        for k in want
+        if got[k].dtype != want[k].dtype
+        or not torch.equal(got[k].view(-1).view(torch.uint8), want[k].view(-1).view(torch.uint8))
+    ]
     assert differ == []
     assert config_of(got_dir).get("tie_word_embeddings") == config_of(want_dir).get("tie_word_embeddings")
 

@@ -36,7 +36,11 @@ _PART = re.compile(
     r"(?P<module>.+?)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|base_layer)"
     r"(?:\.(?!weight$|bias$)(?P<adapter>[^.]+))?(?:\.(?P<param>weight|bias))?"
 )
-_SAVED = re.compile(r"(?P<module>.+?)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<param>.+)")
+# A modules_to_save copy in its wrapper's names (an in-memory state dict, or beside a
+# resized vocabulary, where PEFT also saves the base's module as ``original_module``).
+_SAVED = re.compile(
+    r"(?P<module>.+?)\.(?P<kind>modules_to_save|original_module)\.(?:(?P<adapter>[^.]+)\.)?(?P<param>[^.]+)"
+)
 HEAD = "lm_head.weight"
 # The input embeddings a tied lm_head shares (transformers' names for them).
 EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "model.embed_in.weight", "embed_tokens.weight")
@@ -81,9 +85,11 @@ def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any
         raise PlanError("--merge-lora needs a plan read from a base checkpoint")
     if not any_base:
         _check_base_name(config, base)
-    modules, copies = _parse(source, config)
+    modules, copies, originals = _parse(source, config)
     base_config = _base_config(plan, base)
     tied = _tied(base, base_config)
+    for name, ref in {**originals, **copies}.items():
+        _check_resized(ref, base.tensors.get(tied if name == HEAD and tied else name), source.path)
     if config.ensure_weight_tying and tied:
         raise PlanError(
             "ensure_weight_tying is set and the base ties its embeddings: PEFT merges the delta into the shared "
@@ -125,6 +131,7 @@ def _parse(source: Checkpoint, config: LoraConfig) -> tuple[dict[str, dict[str, 
     """The adapter's tensors: LoRA parts by module, and copies by the base name they replace."""
     modules: dict[str, dict[str, TensorRef]] = {}
     copies: dict[str, TensorRef] = {}
+    originals: dict[str, TensorRef] = {}
     adapters = set()
     for key, ref in source.tensors.items():
         name = key.removeprefix(PREFIX)
@@ -136,8 +143,12 @@ def _parse(source: Checkpoint, config: LoraConfig) -> tuple[dict[str, dict[str, 
             continue
         m = _SAVED.fullmatch(name)
         if m is not None:
-            copies[f"{m['module']}.{m['param']}"] = ref
             adapters.add(m["adapter"])
+            target = f"{m['module']}.{m['param']}"
+            if m["kind"] == "original_module":  # the base's own module: checked, not written
+                originals[target] = ref
+            else:
+                copies[target] = ref
         elif "." in name:
             copies[name] = ref
         else:
@@ -148,7 +159,7 @@ def _parse(source: Checkpoint, config: LoraConfig) -> tuple[dict[str, dict[str, 
     bad = [k for k, ref in source.tensors.items() if ref.dtype not in CASTABLE]
     if bad:
         raise PlanError(f"holds tensors that are not floating point: {listing(bad)}", source.path)
-    return modules, copies
+    return modules, copies, originals
 
 
 def _module_outputs(module, parts, config, base, tied, safe_merge, where):
@@ -170,17 +181,24 @@ def _module_outputs(module, parts, config, base, tied, safe_merge, where):
     _check_shape(where, b, (None, r))
     if embedding:
         transposed = True
-        _check_rows(where, a, w, w.shape[0], resized=True)
+        _check_rows(where, a, w)
         _check_shape(where, b, (w.shape[1], r))
     else:
         out, inp = b.shape[0], a.shape[1]
         transposed = config.fan_in_fan_out if out == inp else w.shape == (inp, out)
         want = (inp, out) if transposed else (out, inp)
         if w.shape != want:
-            raise PlanError(f"{module}: lora_A/lora_B make {list(want)}, {target} is {list(w.shape)}", where)
+            raise PlanError(
+                f"{module}: lora_A/lora_B make {list(want)}, {target} is {list(w.shape)} "
+                "(an adapter for another base?)",
+                where,
+            )
     if "base_layer" in parts and parts["base_layer"].shape != base.tensors[target].shape:
-        raise PlanError(f"{module}: base_layer.weight is {list(w.shape)}, the base's {target} is "
-                        f"{list(base.tensors[target].shape)} (a resized vocabulary); refusing", where)
+        raise PlanError(
+            f"{module}: base_layer.weight is {list(w.shape)}, the base's {target} is "
+            f"{list(base.tensors[target].shape)} (a resized vocabulary); refusing",
+            where,
+        )
     magnitude = parts.get("lora_magnitude_vector")
     if magnitude is not None and transposed:
         raise PlanError(f"{module}: DoRA on an embedding or fan_in_fan_out layer is not supported", where)
@@ -198,6 +216,16 @@ def _module_outputs(module, parts, config, base, tied, safe_merge, where):
         yield bias_name, (base.tensors[bias_name], LoraMerge("bias", bias, None, scale, safe=safe_merge))
 
 
+def _check_resized(ref: TensorRef, base: TensorRef | None, where: Path) -> None:
+    """A saved copy must have its base tensor's shape: an embedding of other rows is a resized vocabulary."""
+    if base is not None and ref.shape != base.shape:
+        raise PlanError(
+            f"{ref.name} is {list(ref.shape)}, the base's {base.name} {list(base.shape)}: a resized "
+            "vocabulary (or another base) is not supported",
+            where,
+        )
+
+
 def _check_shape(where: Path, ref: TensorRef, want) -> None:
     got = ref.shape
     if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want, strict=True)):
@@ -205,18 +233,24 @@ def _check_shape(where: Path, ref: TensorRef, want) -> None:
         raise PlanError(f"{ref.name} is {list(got)}, expected {shown} (an adapter for another base?)", where)
 
 
-def _check_rows(where: Path, a: TensorRef, w: TensorRef, rows: int, resized: bool) -> None:
-    if a.shape[1] != rows:
-        raise PlanError(f"{a.name} spans {a.shape[1]} tokens, the base's {w.name} {rows}: a resized vocabulary "
-                        "is not supported", where)
+def _check_rows(where: Path, a: TensorRef, w: TensorRef) -> None:
+    if a.shape[1] != w.shape[0]:
+        raise PlanError(
+            f"{a.name} spans {a.shape[1]} tokens, the base's {w.name} {w.shape[0]}: a resized vocabulary "
+            "is not supported",
+            where,
+        )
 
 
 def _replace(t: OutputTensor, new, where: Path) -> OutputTensor:
     """``t`` computed from ``new``: a copy's TensorRef, or (W, LoraMerge)."""
     ref, merge = (new, None) if isinstance(new, TensorRef) else new
     if merge is None and ref.shape != t.source.shape:
-        raise PlanError(f"{ref.name} is {list(ref.shape)}, the base's {t.source.name} {list(t.source.shape)} "
-                        "(a resized vocabulary, or another base); refusing", where)
+        raise PlanError(
+            f"{ref.name} is {list(ref.shape)}, the base's {t.source.name} {list(t.source.shape)} "
+            "(a resized vocabulary, or another base); refusing",
+            where,
+        )
     dtype = t.dtype if t.is_cast else ref.dtype if merge is None else t.source.dtype
     return OutputTensor(t.name, ref, dtype, merge)
 
@@ -272,8 +306,10 @@ def _check_base_name(config: LoraConfig, base: Checkpoint) -> None:
 
 def _summary(adapter: Path, config: LoraConfig, modules: dict, copies: dict, untie: bool) -> list[str]:
     kind = "DoRA" if config.use_dora else "rsLoRA" if config.use_rslora else "LoRA"
-    lines = [f"merging {kind} adapter {adapter}: {len(modules)} modules (r={config.r}, alpha={config.lora_alpha}), "
-             f"torch fp32 on the CPU"]
+    lines = [
+        f"merging {kind} adapter {adapter}: {len(modules)} modules (r={config.r}, alpha={config.lora_alpha}), "
+        f"torch fp32 on the CPU"
+    ]
     if copies:
         lines.append(f"replaced by the adapter's saved copies: {listing(sorted(copies), 5)}")
     if untie:
