@@ -11,7 +11,7 @@ from test_lora import assert_same
 
 from streamck import write_plan
 from streamck.api import build_plan
-from streamck.writer.merge import BLOCK_ROWS, row_blocks
+from streamck.writer.merge import BLOCK_ROWS, one_thread, row_blocks
 
 RANKS = (8, 16, 32, 64, 128, 256)
 # (rows, cols): multiples of 16, a tail of 1 (4097: alone, a block of 1 row sums differently), odd sizes.
@@ -31,14 +31,14 @@ def test_row_blocked_gemm_is_the_whole_gemm(r):
     torch.manual_seed(r)
     for rows, cols in SHAPES:
         a, b = torch.randn(r, cols), torch.randn(rows, r) * 0.02
-        whole = (b @ a) * 0.75
-        for chunk in (1, 64 * cols * 4, 1000 * cols):
-            parts = torch.cat([(b[s:e] @ a) * 0.75 for s, e in row_blocks(rows, cols * 4, chunk)])
-            assert torch.equal(parts, whole), (rows, cols, chunk)
-        # an embedding's delta, (B @ A)^T, in blocks of A's columns
-        whole_t = (b @ a).T * 0.75
-        parts = torch.cat([(b @ a[:, s:e]).T * 0.75 for s, e in row_blocks(cols, rows * 4, 1)])
-        assert torch.equal(parts, whole_t), (rows, cols)
+        whole, whole_t = (b @ a) * 0.75, (b @ a).T * 0.75  # as PEFT computes them, on torch's threads
+        with one_thread():  # as the merge computes them
+            for chunk in (1, 64 * cols * 4, 1000 * cols):
+                parts = torch.cat([(b[s:e] @ a) * 0.75 for s, e in row_blocks(rows, cols * 4, chunk)])
+                assert torch.equal(parts, whole), (rows, cols, chunk)
+            # an embedding's delta, (B @ A)^T, in blocks of A's columns
+            parts = torch.cat([(b @ a[:, s:e]).T * 0.75 for s, e in row_blocks(cols, rows * 4, 1)])
+            assert torch.equal(parts, whole_t), (rows, cols)
 
 
 def test_row_blocked_norm_is_the_whole_norm():
@@ -46,7 +46,8 @@ def test_row_blocked_norm_is_the_whole_norm():
     for rows, cols in SHAPES:
         s = torch.randn(rows, cols)
         whole = torch.linalg.norm(s, dim=1)
-        parts = torch.cat([torch.linalg.norm(s[a:b], dim=1) for a, b in row_blocks(rows, cols * 4, 1)])
+        with one_thread():
+            parts = torch.cat([torch.linalg.norm(s[a:b], dim=1) for a, b in row_blocks(rows, cols * 4, 1)])
         assert torch.equal(parts, whole)
 
 

@@ -12,7 +12,9 @@ Memory is one block of W in fp32 (about ``chunk`` bytes) a few times over, plus 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 
 from streamck.dtypes import TORCH_NAMES
@@ -36,62 +38,103 @@ def row_blocks(rows: int, row_bytes: int, chunk: int) -> list[tuple[int, int]]:
     return list(pairwise(edges))
 
 
+_threads_lock = threading.Lock()
+_threads_users = 0
+_threads_before = 1
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread while any merge runs, as before after the last. The work is
+    memory-bound (a GEMM of r products per element, then a pass or two over the block), and
+    a second OpenMP thread only waits: on a busy 2-core host it doubled the CPU time and
+    tripled the wall time. Jobs (--jobs) merge on their own threads."""
+    import torch
+
+    global _threads_users, _threads_before
+    with _threads_lock:
+        if _threads_users == 0:
+            _threads_before = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _threads_users += 1
+    try:
+        yield
+    finally:
+        with _threads_lock:
+            _threads_users -= 1
+            if _threads_users == 0:
+                torch.set_num_threads(_threads_before)
+
+
 def _torch_dtype(dtype: str):
     import torch
 
     return getattr(torch, TORCH_NAMES[dtype])
 
 
-def _read(stream, ref: TensorRef, count: int):
-    """The next ``count`` elements of ``ref`` from ``stream`` as a 1-D fp32 tensor."""
-    import torch
-
-    size = count * ref.nbytes // max(ref.numel, 1)
-    buf = bytearray(size)
-    if stream.readinto(memoryview(buf)) != size:
-        raise OutputError(f"{ref.name} ended early", ref.path)
-    return torch.frombuffer(buf, dtype=_torch_dtype(ref.dtype)).float() if size else torch.empty(0)
-
-
 def _whole(reader: Reader, ref: TensorRef):
     """All of ``ref`` upcast to fp32 (PEFT upcasts adapters on load: autocast_adapter_dtype)."""
-    return _read(reader.stream(ref), ref, ref.numel).reshape(ref.shape)
+    import torch
+
+    buf = bytearray(ref.nbytes)
+    if reader.stream(ref).readinto(memoryview(buf)) != ref.nbytes:
+        raise OutputError(f"{ref.name} ended early", ref.path)
+    return torch.frombuffer(buf, dtype=_torch_dtype(ref.dtype)).float().reshape(ref.shape) if buf else torch.empty(0)
 
 
 def merged_pieces(t: OutputTensor, reader: Reader, chunk: int) -> Iterator[memoryview]:
+    """``t``'s bytes, computed (see _merged), with torch on one thread."""
+    with one_thread():
+        yield from _merged(t, reader, chunk)
+
+
+def _merged(t: OutputTensor, reader: Reader, chunk: int) -> Iterator[memoryview]:
     """``t``'s bytes, computed: W and the LoRA delta summed in fp32 as PEFT sums them, rounded
-    to W's dtype, then cast to ``t.dtype`` when that differs. Each view is valid until the next."""
+    to W's dtype, then cast to ``t.dtype`` when that differs. Each view is valid until the next.
+
+    The operations are PEFT's, done in place in buffers made once per tensor (a fresh 4 MiB
+    tensor per step costs more than the arithmetic): the bits are those of PEFT's expressions."""
+    import torch
+
     m, w = t.merge, t.source
+    wdtype = _torch_dtype(w.dtype)
     if m.kind == "bias":
-        yield from _emit(t, _whole(reader, w) + _whole(reader, m.b) * m.scale, m.safe)
+        total = _whole(reader, w) + _whole(reader, m.b) * m.scale
+        yield from _emit(t, total.to(wdtype), m.safe)
         return
-    import torch
-
     rows, cols = w.shape
-    a = _whole(reader, m.a)
-    b = _whole(reader, m.b) if m.transposed else None
-    b_rows = None if m.transposed else reader.stream(m.b)
+    a, b = _whole(reader, m.a), _whole(reader, m.b)
     magnitude = _whole(reader, m.magnitude) if m.magnitude is not None else None
-    w_rows = reader.stream(w)
-    for start, end in row_blocks(rows, cols * 4, min(chunk, MERGE_CHUNK)):
+    blocks = row_blocks(rows, cols * 4, min(chunk, MERGE_CHUNK))
+    most = max(e - s for s, e in blocks)
+    size = w.nbytes // max(w.numel, 1)
+    raw = bytearray(most * cols * size)
+    total, delta = torch.empty(most, cols), torch.empty(most * cols)
+    out = torch.empty(most, cols, dtype=wdtype)
+    stream = reader.stream(w)
+    for start, end in blocks:
         n = end - start
-        block = _read(w_rows, w, n * cols).reshape(n, cols)
-        if m.transposed:
-            delta = (b @ a[:, start:end]).T * m.scale
-        else:
-            delta = (_read(b_rows, m.b, n * m.b.shape[1]).reshape(n, -1) @ a) * m.scale
+        view = memoryview(raw)[: n * cols * size]
+        if stream.readinto(view) != len(view):
+            raise OutputError(f"{w.name} ended early", w.path)
+        block = total[:n]
+        block.copy_(torch.frombuffer(raw, dtype=wdtype, count=n * cols).reshape(n, cols))
+        if m.transposed:  # (B @ A[:, rows])^T * s
+            d = torch.matmul(b, a[:, start:end], out=delta[: n * cols].view(cols, n)).mul_(m.scale).T
+        else:  # (B[rows] @ A) * s
+            d = torch.matmul(b[start:end], a, out=delta[: n * cols].view(n, cols)).mul_(m.scale)
         if m.round_delta:
-            delta = delta.to(_torch_dtype(w.dtype)).float()
-        total = block + delta
+            d = d.to(wdtype).float()
+        block.add_(d)
         if magnitude is not None:  # DoRA: each row to magnitude / its norm
-            total = (magnitude[start:end] / torch.linalg.norm(total, dim=1)).view(-1, 1) * total
-        yield from _emit(t, total, m.safe)
+            block.mul_((magnitude[start:end] / torch.linalg.norm(block, dim=1)).view(-1, 1))
+        yield from _emit(t, out[:n].copy_(block), m.safe)
 
 
-def _emit(t: OutputTensor, total, safe: bool) -> Iterator[memoryview]:
+def _emit(t: OutputTensor, out, safe: bool) -> Iterator[memoryview]:
+    """``out`` (the merge rounded to W's dtype) as bytes, cast to ``t.dtype`` when asked."""
     import torch
 
-    out = total.to(_torch_dtype(t.source.dtype))
     if safe and not torch.isfinite(out).all():
         raise OutputError(f"NaNs or infinities in the merged {t.name}: the adapter seems broken (safe_merge)")
     if t.dtype != t.source.dtype:
