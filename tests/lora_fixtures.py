@@ -19,16 +19,22 @@ TINY = dict(
 )
 
 
-def make_base(root: Path, *, tied: bool = False, shard: str | None = None, seed: int = 0, **config) -> Path:
-    """A tiny bf16 LlamaForCausalLM saved by save_pretrained (sharded with ``shard``, e.g. "40KB")."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_base(
+    root: Path, *, tied: bool = False, shard: str | None = None, seed: int = 0, gpt2: bool = False, **config
+) -> Path:
+    """A tiny bf16 LlamaForCausalLM saved by save_pretrained (sharded with ``shard``, e.g. "40KB");
+    with ``gpt2`` a GPT-2 instead (Conv1D layers, stored (in, out): PEFT's fan_in_fan_out)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY, **config}, tie_word_embeddings=tied)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if gpt2:
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, tie_word_embeddings=tied)
+        model = GPT2LMHeadModel(cfg).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY, **config}, tie_word_embeddings=tied)).to(torch.bfloat16)
     with torch.no_grad():  # norms start at 1: give them values a mix-up would show
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or ".ln_" in name:
                 p.uniform_(0.5, 1.5)
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(root, **kw)
@@ -104,6 +110,11 @@ CASES = {
     "bf16_adapter": ({}, {"autocast": False}, {}),
     "safe_merge": ({}, {}, {"safe_merge": True}),
     "named_adapter": ({}, {"adapter_name": "mine", "r": 4}, {}),
+    "gpt2_fan_in_fan_out": (
+        {"gpt2": True, "tied": True},
+        {"target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True, "lora_bias": True},
+        {},
+    ),
 }
 
 

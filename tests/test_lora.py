@@ -81,3 +81,16 @@ def test_merge_then_cast(lora_cases, tmp_path):
     got, want = load_dir(tmp_path / "out"), load_dir(case["oracle"])
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k].float()) for k in want)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_torch_archive_and_jobs(lora_cases, tmp_path):
+    """The merge through the torch.save writer (every byte through its CRC) and through
+    several jobs writing shards at once: the same tensors."""
+    case = lora_cases("embedding_and_saved_head")
+    cli("rewrite", case["base"], "-o", tmp_path / "m.bin", "--merge-lora", case["adapter"], "--verify", check=0)
+    got, want = torch.load(tmp_path / "m.bin", weights_only=True), load_dir(case["oracle"])
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    args = ("--max-shard-size", "20KB", "--jobs", "2")
+    cli("rewrite", case["base"], "-o", tmp_path / "sharded", "--merge-lora", case["adapter"], *args, check=0)
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    assert_same(tmp_path / "sharded", case["oracle"])
