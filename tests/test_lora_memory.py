@@ -35,4 +35,4 @@ def test_merge_memory_is_a_block_not_a_tensor(tmp_path):
     adapter = make_adapter(base, tmp_path / "adapter", target_modules=["up_proj", "down_proj", "q_proj"])
     torch_only = _peak("baseline")
     merged = _peak("merge", str(base), str(adapter), str(tmp_path / "out"))
-    assert merged - torch_only < 64, (torch_only, merged)  # the fp32 up_proj alone is 256 MiB
+    assert merged - torch_only < 48, (torch_only, merged)  # 27 MiB here; 67 with 16 MiB blocks
