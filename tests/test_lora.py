@@ -94,3 +94,23 @@ def test_torch_archive_and_jobs(lora_cases, tmp_path):
     cli("rewrite", case["base"], "-o", tmp_path / "sharded", "--merge-lora", case["adapter"], *args, check=0)
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
     assert_same(tmp_path / "sharded", case["oracle"])
+
+
+def test_keys_with_the_adapter_name(lora_cases, tmp_path):
+    """The in-memory state dict's names (``lora_A.default.weight``, ``lora_magnitude_vector.default.weight``),
+    as a tool that saves a PeftModel's state_dict() writes them: the same merge."""
+    import re
+    import shutil
+
+    from safetensors.torch import save_file
+
+    case = lora_cases("dora")
+    adapter = tmp_path / "named"
+    shutil.copytree(case["adapter"], adapter)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    pattern = r"\.(lora_A|lora_B|lora_magnitude_vector)(\.weight)?$"
+    renamed = {re.sub(pattern, r".\1.default.weight", k): v for k, v in tensors.items()}
+    assert sum(".default." in k for k in renamed) == len(tensors)
+    save_file(renamed, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
+    write_plan(build_plan(case["base"], merge_lora=adapter), tmp_path / "out", chunk=4096)
+    assert_same(tmp_path / "out", case["oracle"])

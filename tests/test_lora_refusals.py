@@ -101,3 +101,13 @@ def test_unknown_adapter_tensor(bases, tmp_path_factory, tmp_path):
 
 def test_not_an_adapter(bases, tmp_path):
     refused(bases["base"], bases["tied"], tmp_path, "no adapter_config.json")
+
+
+def test_dora_flag_and_tensors_disagree(bases, tmp_path_factory, tmp_path):
+    """Damaged input: a DoRA adapter whose config says use_dora false would merge as plain LoRA."""
+    adapter = make_adapter(
+        bases["base"], tmp_path_factory.mktemp("dora-flag"), target_modules=["q_proj"], use_dora=True
+    )
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "use_dora": False}))
+    refused(bases["base"], adapter, tmp_path, "lora_magnitude_vector", "use_dora")

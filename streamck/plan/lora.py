@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from streamck.dtypes import CASTABLE
@@ -67,11 +67,6 @@ class LoraMerge:
     safe: bool = False
 
 
-@dataclass
-class _Module:
-    parts: dict[str, TensorRef] = field(default_factory=dict)
-
-
 def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any_base: bool = False) -> Plan:
     """``plan`` with the adapter at ``adapter`` (a folder holding adapter_config.json and
     adapter_model.safetensors) merged in. ``safe_merge`` is PEFT's: the delta rounded to the
@@ -85,7 +80,7 @@ def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any
         raise PlanError("--merge-lora needs a plan read from a base checkpoint")
     if not any_base:
         _check_base_name(config, base)
-    modules, copies, originals = _parse(source, config)
+    modules, copies, originals = _parse(source)
     base_config = _base_config(plan, base)
     tied = _tied(base, base_config)
     for name, ref in {**originals, **copies}.items():
@@ -104,16 +99,8 @@ def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any
             if name in merged:
                 raise PlanError(f"the adapter changes {name} twice (both halves of a tied pair?)", source.path)
             merged[name] = new
-    untie = False
-    for name, ref in copies.items():
-        if name in base.tensors:
-            merged[name] = ref
-        elif name == HEAD and tied:
-            untie = True
-        else:
-            raise PlanError(f"holds {ref.name}, which the base has no tensor {name} for", source.path)
-        if tied and name in (HEAD, tied):
-            untie = True
+    merged.update(_placed_copies(copies, base, tied, source.path))
+    untie = bool(tied) and any(name in (HEAD, tied) for name in copies)
     for name, new in merged.items():
         i = by_source.get(name)
         if i is not None:  # else the rules dropped it
@@ -127,8 +114,20 @@ def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any
     return replace(plan, tensors=tensors, summary=[*plan.summary, *summary], side_files=side)
 
 
-def _parse(source: Checkpoint, config: LoraConfig) -> tuple[dict[str, dict[str, TensorRef]], dict[str, TensorRef]]:
-    """The adapter's tensors: LoRA parts by module, and copies by the base name they replace."""
+def _placed_copies(copies: dict[str, TensorRef], base: Checkpoint, tied: str | None, where: Path) -> dict:
+    """The saved copies that replace a base tensor; a tied lm_head's copy has none (see _untie)."""
+    for name, ref in copies.items():
+        if name not in base.tensors and not (name == HEAD and tied):
+            raise PlanError(f"holds {ref.name}, which the base has no tensor {name} for", where)
+    return {name: ref for name, ref in copies.items() if name in base.tensors}
+
+
+Parts = dict[str, dict[str, TensorRef]]
+
+
+def _parse(source: Checkpoint) -> tuple[Parts, dict[str, TensorRef], dict[str, TensorRef]]:
+    """The adapter's tensors: LoRA parts by module; copies, and PEFT's copies of the base's
+    own modules (``original_module``), by the base name they stand for."""
     modules: dict[str, dict[str, TensorRef]] = {}
     copies: dict[str, TensorRef] = {}
     originals: dict[str, TensorRef] = {}
@@ -200,6 +199,9 @@ def _module_outputs(module, parts, config, base, tied, safe_merge, where):
             where,
         )
     magnitude = parts.get("lora_magnitude_vector")
+    if (magnitude is not None) != config.use_dora:
+        has = "has" if magnitude is not None else "has no"
+        raise PlanError(f"{module} {has} lora_magnitude_vector, and use_dora is {config.use_dora}", where)
     if magnitude is not None and transposed:
         raise PlanError(f"{module}: DoRA on an embedding or fan_in_fan_out layer is not supported", where)
     if magnitude is not None:

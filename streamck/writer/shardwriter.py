@@ -102,6 +102,7 @@ class ShardWriter:
         self.overflow: dict[str, int] = {}
         self._cpu_caster = None
         self._writeback_pool: ThreadPoolExecutor | None = None
+        self._merge_space: dict = {}  # a LoRA merge's buffers, kept from tensor to tensor
 
     def close(self) -> None:
         for caster in (self.caster, self._cpu_caster):
@@ -197,7 +198,7 @@ class ShardWriter:
         """A computed tensor's bytes (a LoRA merge, which imports torch)."""
         from streamck.writer.merge import merged_pieces
 
-        return merged_pieces(t, self.reader, self.chunk)
+        return merged_pieces(t, self.reader, self.chunk, self._merge_space)
 
     def cpu_caster(self):
         """A CPU caster: this run's own when it casts on the CPU, else one made on first use."""
