@@ -58,6 +58,8 @@ def build_plan(
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
     ['embed_tokens.weight', 'layers.0.mlp.up_proj.weight']
     """
+    if merge_lora is not None and plan is not None and os.fspath(plan) in BUILTIN_PLANS:
+        raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {plan}")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
     given = Rules(rules_from(rules) + extra, dtype)
     if plan is not None and os.fspath(plan) in BUILTIN_PLANS:
@@ -74,8 +76,6 @@ def build_plan(
                 raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
             extra["aux_layer_ids"] = aux_layer_ids
         return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
-    if merge_lora is not None and plan is not None and os.fspath(plan) in BUILTIN_PLANS:
-        raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {plan}")
     if verifier is not None:
         raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
     if aux_layer_ids is not None:

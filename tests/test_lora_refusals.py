@@ -111,3 +111,11 @@ def test_dora_flag_and_tensors_disagree(bases, tmp_path_factory, tmp_path):
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "use_dora": False}))
     refused(bases["base"], adapter, tmp_path, "lora_magnitude_vector", "use_dora")
+
+
+def test_not_with_a_built_in_plan(bases, tmp_path):
+    proc = cli(
+        "rewrite", bases["base"], "-o", tmp_path / "out", "--plan", "eagle4", "--merge-lora", bases["tied"], check=2
+    )
+    assert "--merge-lora merges into a base checkpoint, not into --plan eagle4" in proc.stderr
+    assert not (tmp_path / "out").exists()
