@@ -127,7 +127,8 @@ def _print_plan(plan) -> None:
         print(line)
     rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
     for t in plan.tensors:
-        dtype = f"{t.source.dtype}->{t.dtype}" if t.is_cast else t.dtype
+        dtype = f"{t.source.dtype}->{t.dtype}" if t.dtype != t.source.dtype else t.dtype
+        dtype += " +LoRA" if t.merge is not None else ""
         rows.append((t.source.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
     table(rows)
     src = plan.source

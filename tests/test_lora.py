@@ -72,6 +72,7 @@ def test_dry_run_says_what_merges(lora_cases):
     case = lora_cases("rslora_patterns")
     proc = cli("rewrite", case["base"], "-o", "x", "--merge-lora", case["adapter"], "--dry-run", check=0)
     assert "merging rsLoRA adapter" in proc.stdout and "14 modules" in proc.stdout
+    assert proc.stdout.count(" +LoRA") == 14
 
 
 def test_merge_then_cast(lora_cases, tmp_path):
