@@ -8,6 +8,7 @@
     python bench/run.py fsdp --size 2GiB     # Trainer + FSDP2 checkpoint-N -> safetensors
     python bench/run.py clone                # on a reflink XFS loop image (root), 2 and 16 GiB
     python bench/run.py titan megatron       # torchtitan / Megatron checkpoints -> Hugging Face (156 MiB models)
+    python bench/run.py lora --size 1GiB     # --merge-lora vs PEFT's merge_and_unload (needs peft)
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
 medians and ratios against the baseline of the same run, and is written into
@@ -670,6 +671,81 @@ def case_clone(a: argparse.Namespace, tmp: Path) -> str:
         f"F32 checkpoints, largest tensor {a.embed}, `--strip-prefix model.`; walls include interpreter start. "
         f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + "\n\n".join(parts)
     )
+def _lora_inputs(tmp: Path, size: int, kinds: tuple[str, ...] = ("lora", "dora")) -> tuple[Path, ...]:
+    """A bf16 Llama base of ``size`` bytes and PEFT adapters on every linear (LoRA, DoRA; r=16)."""
+    make = [PY, str(HERE / "lora_ckpt.py")]
+    base = tmp / f"base-{size}"
+    subprocess.run([*make, "base", str(base), str(size)], check=True)
+    for kind in kinds:
+        flags = ["--dora"] if kind == "dora" else []
+        subprocess.run(
+            [*make, "adapter", str(base), str(tmp / f"{kind}-{size}"), *flags], check=True, capture_output=True
+        )
+    return base, *(tmp / f"{kind}-{size}" for kind in kinds)
+
+
+@case
+def case_lora(a: argparse.Namespace, tmp: Path) -> str:
+    """--merge-lora (LoRA and DoRA on every linear, r=16) vs PEFT's merge_and_unload route vs cp -r of the base."""
+    size = parse_size(a.size)
+    base, lora, dora = _lora_inputs(tmp, size)
+    data = _dir_bytes(base)
+    peft = str(HERE / "lora_ckpt.py")
+    contenders = {
+        "cp -r + sync (base)": cp_fsync(base),
+        "PEFT merge_and_unload + save_pretrained (LoRA)": lambda o: [PY, peft, "peft", str(base), str(lora), str(o)],
+        "streamck --merge-lora (LoRA)": lambda o: streamck(
+            "rewrite", str(base), "-o", str(o), "--merge-lora", str(lora), "-q"
+        ),
+        "PEFT merge_and_unload + save_pretrained (DoRA)": lambda o: [PY, peft, "peft", str(base), str(dora), str(o)],
+        "streamck --merge-lora (DoRA)": lambda o: streamck(
+            "rewrite", str(base), "-o", str(o), "--merge-lora", str(dora), "-q"
+        ),
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle, (base, lora, dora))
+    exact = []
+    for kind, adapter in (("LoRA", lora), ("DoRA", dora)):  # the outputs themselves, once more, bit for bit
+        subprocess.run(
+            streamck("rewrite", str(base), "-o", str(out / "s"), "--merge-lora", str(adapter), "-q"), check=True
+        )
+        subprocess.run([PY, peft, "peft", str(base), str(adapter), str(out / "p")], check=True, capture_output=True)
+        same = subprocess.run([PY, peft, "same", str(out / "s"), str(out / "p")]).returncode == 0
+        exact.append(f"{kind} {'bit-identical to' if same else 'DIFFERS from'} PEFT's")
+        shutil.rmtree(out)
+    small, s_lora = _lora_inputs(tmp, size // 4, ("lora",))
+    _, rss = run_child(streamck("rewrite", str(small), "-o", str(out), "--merge-lora", str(s_lora), "-q"), a.settle)
+    shutil.rmtree(out)
+    small_bytes, shards = _dir_bytes(small), len(list(base.glob("*.safetensors")))
+    shutil.rmtree(small)  # room for the 4x base
+    shutil.rmtree(base)
+    big, b_lora = _lora_inputs(tmp, size * 4, ("lora",))  # torch's import is paid once: the ratio at 4x
+    large = {
+        "cp -r + sync (base)": cp_fsync(big),
+        "streamck --merge-lora (LoRA)": lambda o: streamck(
+            "rewrite", str(big), "-o", str(o), "--merge-lora", str(b_lora), "-q"
+        ),
+    }
+    big_runs = contend(large, out, a.reps, a.settle, (big, b_lora))
+    _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
+    return (
+        f"Base: bf16 Llama, {data / 2**30:.2f} GiB in {shards} shards (hidden 1024, "
+        f"MLP 2816, vocab 32000); adapters by PEFT {_peft_version()} on every linear, r=16. "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle. Outputs: {'; '.join(exact)} output.\n\n"
+        + table(runs, "cp -r + sync (base)", data)
+        + f"\n\nThe same at {_dir_bytes(big) / 2**30:.2f} GiB (streamck and cp only):\n\n"
+        + table(big_runs, "cp -r + sync (base)", _dir_bytes(big))
+        + f"\n\nstreamck peak RSS as the base grows (LoRA): {mib(rss)} at {small_bytes / 2**30:.2f} GiB, "
+        f"{mib(runs['streamck --merge-lora (LoRA)'].peak)} at {data / 2**30:.2f} GiB, "
+        f"{mib(big_runs['streamck --merge-lora (LoRA)'].peak)} at {_dir_bytes(big) / 2**30:.2f} GiB; "
+        f"`python -c 'import torch'` alone peaks at {mib(torch_rss)}."
+        + chart(a, runs, "lora", f"merging a LoRA adapter into a {data / 2**30:.1f} GiB base: RSS over time")
+    )
+
+
+def _peft_version() -> str:
+    proc = subprocess.run([PY, "-c", "import peft; print(peft.__version__)"], capture_output=True, text=True)
+    return proc.stdout.strip() or "?"
 
 
 def _ds_version() -> str:
@@ -701,6 +777,7 @@ DEFAULT_SIZE = {
     "titan": "156MiB",
     "megatron": "156MiB",
 }
+DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "lora": "1GiB"}
 
 
 def main() -> None:

@@ -56,14 +56,21 @@ def build_plan(
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
     hf_config: str | os.PathLike | None = None,
+    merge_lora: str | os.PathLike | None = None,
+    safe_merge: bool = False,
+    lora_any_base: bool = False,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
-    sources and dtypes, and the side files.
+    sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
+    to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``lora_any_base``
+    skips the check that it was trained on this base), see streamck.plan.lora.
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
     ['embed_tokens.weight', 'layers.0.mlp.up_proj.weight']
     """
+    if merge_lora is not None and plan is not None and os.fspath(plan) in BUILTIN_PLANS:
+        raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {plan}")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
     given = Rules(rules_from(rules) + extra, dtype)
     if plan is not None and os.fspath(plan) in BUILTIN_PLANS:
@@ -91,7 +98,19 @@ def build_plan(
     if hf_config is not None:
         raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
-    return compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
+    compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
+    return compiled if merge_lora is None else _merge_lora(compiled, merge_lora, safe_merge, lora_any_base)
+
+
+def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool) -> Plan:
+    """``plan`` with the adapter merged in; torch (which computes the merge) checked first."""
+    from streamck.plan.lora import merge_lora
+
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        raise UsageError("--merge-lora needs torch, which is not installed: pip install 'streamck[cast]'") from None
+    return merge_lora(plan, adapter, safe_merge=safe_merge, any_base=any_base)
 
 
 def rewrite(
@@ -120,6 +139,9 @@ def rewrite(
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
     hf_config: str | os.PathLike | None = None,
+    merge_lora: str | os.PathLike | None = None,
+    safe_merge: bool = False,
+    lora_any_base: bool = False,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -165,6 +187,9 @@ def rewrite(
         verifier=verifier,
         aux_layer_ids=aux_layer_ids,
         hf_config=hf_config,
+        merge_lora=merge_lora,
+        safe_merge=safe_merge,
+        lora_any_base=lora_any_base,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(

@@ -114,6 +114,9 @@ def _compile(args: argparse.Namespace):
         verifier=args.verifier,
         aux_layer_ids=args.aux_layer_ids,
         hf_config=args.hf_config,
+        merge_lora=args.merge_lora,
+        safe_merge=args.safe_merge,
+        lora_any_base=args.merge_lora_any_base,
     )
     if plan.source is not None:
         _note(plan.source, getattr(args, "quiet", False))
@@ -127,7 +130,8 @@ def _print_plan(plan) -> None:
         print(line)
     rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
     for t in plan.tensors:
-        dtype = f"{t.source.dtype}->{t.dtype}" if t.is_cast else t.dtype
+        dtype = f"{t.source.dtype}->{t.dtype}" if t.dtype != t.source.dtype else t.dtype
+        dtype += " +LoRA" if t.merge is not None else ""
         rows.append((t.source.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
     table(rows)
     src = plan.source
@@ -313,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
         "(Automodel's ids), over what the step records",
     )
+    lora = rw.add_argument_group("merging a PEFT LoRA adapter (needs torch)")
+    lora.add_argument("--merge-lora", metavar="ADAPTER", help="merge this adapter folder in (as merge_and_unload)")
+    lora.add_argument("--safe-merge", action="store_true", help="as PEFT's safe_merge: refuse non-finite results")
+    lora.add_argument("--merge-lora-any-base", action="store_true", help="skip the base_model_name_or_path check")
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(
         "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"

@@ -239,3 +239,21 @@ def test_bench_clone_case_runs(xfs):
     proc = subprocess.run([*cmd, "--settle", "0", "--no-record"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| streamck --keep-shards |" in proc.stdout
+
+
+def test_merged_tensors_are_computed_not_shared_on_xfs(xfs):
+    """A LoRA merge keeps the base's dtype and its one-run source, yet its bytes are the
+    merge's: nothing of it may be shared with the base (PEFT's own merge is the oracle)."""
+    import lora_fixtures
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    base = lora_fixtures.make_base(xfs / "lora-base", hidden_size=512, intermediate_size=1024, num_hidden_layers=1)
+    adapter = lora_fixtures.make_adapter(base, xfs / "lora-adapter", target_modules=["gate_proj", "up_proj"])
+    oracle = lora_fixtures.peft_merge(base, adapter, xfs / "lora-oracle")
+    proc = cli("rewrite", base, "-o", xfs / "lora-out", "--keep-shards", "--merge-lora", adapter, "--json", check=0)
+    report = json.loads(proc.stdout)
+    assert 0 < report["shared_bytes"]  # the untouched tensors are still shared
+    got, want = load_torch(xfs / "lora-out" / "model.safetensors"), load_torch(oracle / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []

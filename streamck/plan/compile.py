@@ -22,6 +22,8 @@ class OutputTensor:
     name: str
     source: TensorRef
     dtype: str
+    # Set when the bytes are computed, not copied or cast: a LoRA merge (streamck.plan.lora.LoraMerge).
+    merge: object | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -33,7 +35,7 @@ class OutputTensor:
 
     @property
     def is_cast(self) -> bool:
-        return self.dtype != self.source.dtype
+        return self.dtype != self.source.dtype and self.merge is None
 
 
 @dataclass

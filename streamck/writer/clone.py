@@ -56,7 +56,9 @@ class Sharing:
     def may_share(self, t: OutputTensor) -> bool:
         """Whether ``t``'s bytes could be shared: unchanged, one run, in a file that can share."""
         ref = t.source
-        if self.device is None or t.is_cast or ref.strides is not None or ref.tiles is not None or ref.parts:
+        if self.device is None or t.is_cast or t.merge is not None:  # bytes computed here
+            return False
+        if ref.strides is not None or ref.tiles is not None or ref.parts:
             return False
         return self.shares(ref.path)
 

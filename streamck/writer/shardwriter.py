@@ -113,6 +113,7 @@ class ShardWriter:
         self.overflow: dict[str, int] = {}
         self._cpu_caster = None
         self._writeback_pool: ThreadPoolExecutor | None = None
+        self._merge_space: dict = {}  # a LoRA merge's buffers, kept from tensor to tensor
 
     def close(self) -> None:
         for caster in (self.caster, self._cpu_caster):
@@ -155,7 +156,11 @@ class ShardWriter:
             for group, span in spans(shard.tensors, self.sharing):
                 if span is not None:  # unchanged tensors that continue one another: one run
                     self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
-                elif (t := group[0]).is_cast:
+                elif (t := group[0]).merge is not None:
+                    for view in self.merged(t):
+                        write_all(out, view)
+                        progress(len(view))
+                elif t.is_cast:
                     n = self.get_caster().cast(self.reader.stream(t.source), t.dtype, out, progress)
                     if n:
                         self.overflow[t.name] = n
@@ -183,7 +188,12 @@ class ShardWriter:
                 writeback(len(piece))
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
-        """``t``'s output bytes in bounded pieces: its source's, or cast (on the CPU)."""
+        """``t``'s output bytes in bounded pieces: its source's, computed, or cast (on the CPU)."""
+        if t.merge is not None:
+            for view in self.merged(t):
+                self.progress(len(view))
+                yield view
+            return
         if not t.is_cast:
             for view in self.reader.windows(t.source):
                 self.progress(len(view))
@@ -196,6 +206,12 @@ class ShardWriter:
             yield view
         if overflow:
             self.overflow[t.name] = overflow
+
+    def merged(self, t: OutputTensor) -> Iterator[memoryview]:
+        """A computed tensor's bytes (a LoRA merge, which imports torch)."""
+        from streamck.writer.merge import merged_pieces
+
+        return merged_pieces(t, self.reader, self.chunk, self._merge_space)
 
     def cpu_caster(self):
         """A CPU caster: this run's own when it casts on the CPU, else one made on first use."""

@@ -22,7 +22,13 @@ def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
 
 
 def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iterator[memoryview]:
-    """What ``t`` should hold, in bounded pieces: its source's bytes, or a fresh CPU cast."""
+    """What ``t`` should hold, in bounded pieces: its source's bytes, a fresh CPU cast, or
+    its merge computed again (deterministic: the same blocks in the same order)."""
+    if t.merge is not None:
+        from streamck.writer.merge import merged_pieces
+
+        yield from merged_pieces(t, reader, reader.chunk)
+        return
     if not t.is_cast:
         yield from reader.windows(t.source)
         return
