@@ -40,7 +40,8 @@ def reflink_mount(directory: Path, size: int) -> Iterator[Path]:
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        # lazily: a failed test's traceback may still hold a mapping of a file in it
+        subprocess.run(["umount", "--lazy", str(mnt)], check=True)
         image.unlink()
 
 
