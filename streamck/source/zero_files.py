@@ -6,7 +6,6 @@ reads the layout they make up)."""
 from __future__ import annotations
 
 import _compat_pickle
-import collections
 import math
 import os
 import pickle
@@ -39,6 +38,14 @@ class _Opaque:
         return f"<{type(self).__module__}.{type(self).__name__}{self.args!r}>"
 
 
+def _defaultdict(factory=None, *args):
+    """A defaultdict as pickled: its items, never its factory's calls (``set([...])`` takes an
+    iterable of any length, but ``defaultdict(bytes, ...)`` would call it on a missing key)."""
+    if args:
+        raise pickle.UnpicklingError("defaultdict with arguments beyond its factory")
+    return {}
+
+
 _STUBS: dict[tuple[str, str], type] = {}
 _TENSOR_TYPES = {
     ("torch", "Tensor"),
@@ -62,11 +69,12 @@ DATA_ONLY = {
 # Every class of these modules is a config node or its metadata; ``typing.Any`` is a node's type.
 DATA_ONLY_MODULES = ("omegaconf",)
 _TYPING = {("typing", "Any")}
-# Plain types such nodes name (an OmegaConf node's ``object_type``, its flags' ``defaultdict``),
-# under their Python 2 names too: torch.save pickles with protocol 2.
-_PLAIN = {
-    ("builtins", t.__name__): t for t in (dict, list, tuple, int, float, str, bool, bytes, set, frozenset)
-} | {("collections", "defaultdict"): collections.defaultdict}
+# Plain types such nodes name as values (an OmegaConf node's ``object_type``), under their
+# Python 2 names too (torch.save pickles with protocol 2): stand-ins, so that no pickle can
+# call them (``bytes(1 << 40)``). ``set``/``frozenset`` hold DeepSpeed's param groups, and a
+# ``defaultdict`` OmegaConf's flags: the real ones, as their items come from this unpickler.
+_NAMED_TYPES = {"dict", "list", "tuple", "int", "float", "str", "bool", "bytes"}
+_PLAIN = {("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("collections", "defaultdict"): _defaultdict}
 
 
 def _is_data_only(module: str, name: str) -> bool:
@@ -125,6 +133,8 @@ class _ZeroPickle(_WeightsOnly):
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) in _PLAIN:
             return _PLAIN[module, name]
+        if module == "builtins" and name in _NAMED_TYPES:
+            return _stub(module, name)
         return super().find_class(module, name)
 
 
