@@ -161,6 +161,9 @@ def write_plan(
     else:
         refuse_source(out, sources)
         check_directory(out, [s.filename for s in shards] + sorted(_extras(plan, shards)))
+    # Parts may run on hosts whose filesystems clone differently, and pad differently: who
+    # writes which shard is settled on the unpadded sizes, the same in every part.
+    owners = assign(shards, part[1]) if part is not None else []
     sharing = Sharing.probe(out if part is not None else out.parent) if format == "safetensors" else None
     if sharing is not None:
         shards = [line_up(s, sharing, header_align) for s in shards]
@@ -175,7 +178,7 @@ def write_plan(
         stack.callback(syncer.close)
         try:
             if part is not None:
-                files, size = _write_part(plan, out, shards, part, workers, verify)
+                files, size = _write_part(plan, out, shards, owners, part[0], workers, verify)
                 return WriteResult(files, size, workers.overflow, workers.shared)
             tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
             paths = [tmp] if single else [tmp / s.filename for s in shards]
@@ -199,14 +202,14 @@ def write_plan(
 
 
 def _write_part(
-    plan: Plan, out: Path, shards: list[Shard], part: tuple[int, int], workers: Workers, verify: bool
+    plan: Plan, out: Path, shards: list[Shard], owners: list[int], k: int, workers: Workers, verify: bool
 ) -> tuple[list[Path], int]:
-    """Part K of N: its own shards, each written, fsynced (and verified) under a temporary
-    name and renamed into ``out``; then the side files, the same bytes from every part,
+    """Part ``k`` (1-based): the shards ``owners`` gives it (each shard's 0-based part), each
+    written, fsynced (and verified) under a temporary name and renamed into ``out``; then
+    the side files, the same bytes from every part,
     and the index once every shard is there (whichever part finishes last writes it;
     downstream jobs may wait for it). Returns the paths written and their tensor bytes."""
-    k, n = part
-    mine = [s for s, owner in zip(shards, assign(shards, n), strict=True) if owner == k - 1]
+    mine = [s for s, owner in zip(shards, owners, strict=True) if owner == k - 1]
 
     def write(writer: ShardWriter, shard: Shard) -> None:
         with atomic_output(out / shard.filename, is_dir=False, force=True) as tmp:
