@@ -175,3 +175,16 @@ def test_source_options_are_refused(titan, tmp_path):
     assert "--key, --zero and --keep-tied do not apply to --plan torchtitan-llama3, which opens its own source" in (
         proc.stderr
     )
+
+
+def test_steps_listed_by_number(titan, tmp_path):
+    """A checkpoint folder's steps are named in the order torchtitan wrote them, the
+    latest last (step-10 after step-9), as the hint to give one of them."""
+    folder = tmp_path / "checkpoint"
+    for n in (2, 10, 9):
+        shutil.copytree(titan["llama3"] / "checkpoint" / "step-1", folder / f"step-{n}")
+    proc = cli("rewrite", folder, "-o", tmp_path / "hf", "--plan", PLAN, check=2)
+    assert f"holds torchtitan steps (step-2, step-9, step-10): give one of them, e.g. {folder / 'step-10'}" in (
+        proc.stderr
+    )
+

@@ -36,11 +36,17 @@ def _step_dir(path: Path) -> Path:
     refused with the steps it holds (which one to convert is the user's choice)."""
     if (path / DCP_METADATA).is_file():
         return path
-    steps = sorted((p for p in path.glob("step-*") if (p / DCP_METADATA).is_file()), key=lambda p: p.name)
+    steps = sorted((p for p in path.glob("step-*") if (p / DCP_METADATA).is_file()), key=_step_number)
     if steps:
         names = ", ".join(p.name for p in steps)
         raise PlanError(f"holds torchtitan steps ({names}): give one of them, e.g. {path / steps[-1].name}", path)
     raise PlanError(f"is not a torchtitan step (no {DCP_METADATA}: torchtitan saves checkpoint/step-N/)", path)
+
+
+def _step_number(step: Path) -> tuple[int, str]:
+    """Sort key of a ``step-N`` folder: by N as a number (step-9 before step-10), then by name."""
+    tail = step.name.removeprefix("step-")
+    return (int(tail), "") if tail.isdigit() else (-1, step.name)
 
 
 def _version(names: set[str], where: Path) -> int:
