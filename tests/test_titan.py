@@ -188,3 +188,21 @@ def test_steps_listed_by_number(titan, tmp_path):
         proc.stderr
     )
 
+
+def test_tied_head_differing_after_64_kib_is_refused(tmp_path):
+    """A head equal to the embedding in its first 64 KiB, not in its last row, is not tied."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from streamck.errors import PlanError
+    from streamck.plan.torchtitan import _same_head
+    from streamck.source import open_checkpoint
+
+    embed = np.random.default_rng(0).standard_normal((1024, 64), dtype=np.float32)  # 256 KiB
+    head = embed.copy()
+    head[-1, -1] += 1
+    save_file({"tok_embeddings.weight": embed, "output.weight": head, "same": embed.copy()}, tmp_path / "m.safetensors")
+    refs = open_checkpoint(tmp_path / "m.safetensors").tensors
+    _same_head(refs["same"], refs["tok_embeddings.weight"], tmp_path / "config.json")
+    with pytest.raises(PlanError, match="output.weight is not tok_embeddings.weight in this checkpoint"):
+        _same_head(refs["output.weight"], refs["tok_embeddings.weight"], tmp_path / "config.json")

@@ -27,8 +27,8 @@ from streamck.source.select import Rows, select
 PLAN = "torchtitan-llama3"
 # Config flags for biases that torchtitan's Llama 3 and Qwen3 never have.
 BIAS_FLAGS = ("attention_bias", "mlp_bias")
-# Bytes of a tied head compared with the embedding (see _same_head).
-HEAD_SAMPLE = 1 << 16
+# Bytes read at a time from each side when a tied head is compared with the embedding.
+SAME_WINDOW = 8 << 20
 
 
 def _step_dir(path: Path) -> Path:
@@ -131,18 +131,24 @@ def _output(ref: TensorRef, row: tuple, sizes: dict[str, int], permute: bool, wh
 
 def _same_head(head: TensorRef, embed: TensorRef, config_path: Path) -> None:
     """A config that ties the head, for a checkpoint whose head is not its embedding, is
-    another model's: leaving the head out would change the model. The first rows tell."""
-    from streamck.source.reader import Reader
-
-    size = min(HEAD_SAMPLE, head.nbytes)
-    with Reader(chunk=size or 1) as reader:
-        a, b = (bytes(next(iter(reader.windows(r, size)), b"")) for r in (head, embed))
-    if head.shape != embed.shape or head.dtype != embed.dtype or a != b:
+    another model's: leaving the head out would change the model. Every byte is compared,
+    in bounded windows (a head fine-tuned apart may differ in its last rows only)."""
+    same = head.shape == embed.shape and head.dtype == embed.dtype and _same_bytes(head, embed)
+    if not same:
         raise PlanError(
             f"tie_word_embeddings is true, but {head.name} is not {embed.name} in this checkpoint: "
             "the config is not this model's",
             config_path,
         )
+
+
+def _same_bytes(a: TensorRef, b: TensorRef) -> bool:
+    """Whether two tensors of one size hold the same bytes, read window by window (both in
+    windows of one size, whatever their runs), stopping at the first difference."""
+    from streamck.source.reader import Reader
+
+    with Reader(SAME_WINDOW) as ra, Reader(SAME_WINDOW) as rb:
+        return all(wa == wb for wa, wb in zip(ra.windows(a), rb.windows(b), strict=True))
 
 
 def _left_out(ckpt: Checkpoint, model: dict, written: int, tied_head: bool) -> str:
