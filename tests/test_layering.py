@@ -132,3 +132,19 @@ def test_plans_are_imported_when_asked_for(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_no_plan_imports_another_plan():
+    """The built-in plans share their checks through streamck.plan.contract (and the
+    trainer exports through hf_export), never by importing one another."""
+    from streamck.plan import PLAN_FUNCTIONS
+
+    plans = {module for module, _ in PLAN_FUNCTIONS.values()}
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in imports().items()
+        if mod.startswith("streamck.plan.")
+        for dep in deps
+        if dep in plans and dep != mod
+    ]
+    assert wrong == []

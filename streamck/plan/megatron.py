@@ -22,6 +22,7 @@ import orjson
 from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
+from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.megatron_args import read_args
 from streamck.plan.megatron_layout import (
     HEAD,
@@ -174,7 +175,7 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     """Compile the Hugging Face export of the Megatron GPTModel checkpoint at ``path`` (a run
     root with its tracker file, or an ``iter_*`` folder). Only cast rules may accompany it;
     every key, shape and size is checked before anything is written."""
-    rules = hf_export.only_casts(rules or Rules(), PLAN)
+    rules = only_casts(rules, PLAN)
     step = step_dir(Path(path))
     args, iteration = read_args(step)
     ckpt = open_checkpoint(step)
@@ -184,7 +185,7 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
     table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
     expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
-    hf_export.compare_keys(expected, keys, f"a GPTModel ({sizes['L']} layers)", step)
+    compare_keys(expected, keys, f"model tensors do not match a GPTModel ({sizes['L']} layers)", step)
     if config is None:
         config = _hf_config(args, sizes, bias, norms, tied)
     else:
@@ -213,7 +214,7 @@ def _sizes_and_config(
     lies beside the step (required when the checkpoint holds no args)."""
     given = hf_config is not None or (step / "config.json").is_file() or (step.parent / "config.json").is_file()
     config_path = hf_export.find_config(step, hf_config, PLAN) if given or not args else None
-    config = hf_export.load_config(config_path) if config_path else None
+    config = load_config(config_path) if config_path else None
     if args:
         sizes = _sizes(args, keys, step)
         sizes = _agree(sizes, config, config_path) if config is not None else sizes

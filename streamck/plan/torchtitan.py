@@ -18,6 +18,7 @@ from pathlib import Path
 from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
+from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.rules import Rules
 from streamck.plan.torchtitan_layout import FAMILIES, HEAD, LAYER, QK_NORM, TOP, TRAINING_STATE, VERSIONS
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
@@ -87,10 +88,10 @@ def _rows(kind: str | None, sizes: dict[str, int], name: str, where: Path) -> Ro
 def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config: str | None = None) -> Plan:
     """Compile the Hugging Face export of the torchtitan step at ``path``. Only cast rules
     may accompany it; every key, shape and the config are checked before anything is written."""
-    rules = hf_export.only_casts(rules or Rules(), PLAN)
+    rules = only_casts(rules, PLAN)
     step = _step_dir(Path(path))
     config_path = hf_export.find_config(step, hf_config, PLAN)
-    config = hf_export.load_config(config_path)
+    config = load_config(config_path)
     sizes = hf_export.sizes(config, config_path)
     ckpt = open_checkpoint(step)
     model = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
@@ -103,8 +104,9 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
         rows += [(r[0].format(i=i), r[1].format(i=i), r[2].format(i=i), *r[3:]) for r in layer]
     head_key = HEAD[column]
     optional = {head_key} if tied else set()  # torchtitan saves the tied head under both names
-    hf_export.compare_keys([r[column] for r in rows] + ([] if tied else [head_key]), set(model) - optional,
-                           f"a {sizes['L']}-layer torchtitan {config['model_type']} (from {config_path.name})", step)
+    model_name = f"a {sizes['L']}-layer torchtitan {config['model_type']} (from {config_path.name})"
+    what = f"model tensors do not match {model_name}"
+    compare_keys([r[column] for r in rows] + ([] if tied else [head_key]), set(model) - optional, what, step)
     if not tied:
         rows.append(HEAD)
     elif head_key in model:
