@@ -18,8 +18,12 @@ from streamck.plan import Plan as Plan
 from streamck.plan import Rule as Rule
 from streamck.plan import Rules as Rules
 from streamck.plan import compile_plan as compile_plan
+from streamck.plan import eagle3_plan as eagle3_plan
+from streamck.plan import eagle3_speculators_plan as eagle3_speculators_plan
 from streamck.plan import eagle4_plan as eagle4_plan
 from streamck.plan import load_rules as load_rules
+from streamck.plan import megatron_plan as megatron_plan
+from streamck.plan import torchtitan_plan as torchtitan_plan
 from streamck.source import Checkpoint as Checkpoint
 from streamck.source import TensorRef as TensorRef
 from streamck.source import open_checkpoint as open_checkpoint

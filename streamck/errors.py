@@ -6,8 +6,8 @@ import os
 
 
 def listing(items: list[str], limit: int = 8) -> str:
-    """``a, b, c, … and N more``: a list for a one-line message, cut at ``limit`` items."""
-    more = f", … and {len(items) - limit} more" if len(items) > limit else ""
+    """``a, b, c, … (N in all)``: a list for a one-line message, cut at ``limit`` items."""
+    more = f", … ({len(items)} in all)" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
 
 

@@ -30,6 +30,15 @@ def test_the_type_stub_lists_the_same_names_from_the_same_modules():
     assert listed == streamck._MODULE
 
 
+def test_every_builtin_plan_is_public():
+    """Each ``--plan`` name's function is a public name of the package, the same object."""
+    from streamck.plan import BUILTIN_PLANS, PLAN_FUNCTIONS
+
+    for name, (_, function) in PLAN_FUNCTIONS.items():
+        assert function in streamck.__all__, function
+        assert getattr(streamck, function) is BUILTIN_PLANS[name], name
+
+
 def test_docstring_examples_run():
     failed, tried = doctest.testmod(streamck.api, optionflags=doctest.ELLIPSIS)
     assert tried >= 8 and failed == 0

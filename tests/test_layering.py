@@ -95,3 +95,56 @@ def test_bench_and_scripts_import_no_test_module():
             )
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in tests]
     assert offenders == []
+
+
+# The built-in plans' modules and the trainers' readers only they need.
+PLAN_MODULES = (
+    "streamck.plan.eagle3",
+    "streamck.plan.eagle4",
+    "streamck.plan.hf_export",
+    "streamck.plan.megatron",
+    "streamck.plan.torchtitan",
+    "streamck.source.distcp",
+)
+
+
+def test_plans_are_imported_when_asked_for(tmp_path):
+    """``import streamck.api``, ``ls`` and a rules rewrite import no built-in plan; naming one does.
+    (``ls`` reads the ZeRO file names as any source's layout detection does.)"""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    ckpt = tmp_path / "m.safetensors"
+    save_file({"model.a": np.ones(3, np.float32)}, ckpt)
+    code = (
+        "import sys; import streamck.api; from streamck.cli import main\n"
+        f"plans = {PLAN_MODULES!r}\n"
+        "def loaded(): return sorted(set(plans) & set(sys.modules))\n"
+        "assert not loaded() and 'streamck.source.zero_files' not in sys.modules, f'import streamck.api: {loaded()}'\n"
+        f"assert main(['ls', {str(ckpt)!r}]) == 0 and not loaded(), f'ls imported {{loaded()}}'\n"
+        f"assert main(['rewrite', {str(ckpt)!r}, '-o', {str(tmp_path / 'o')!r}, '--strip-prefix', 'model.']) == 0\n"
+        "assert not loaded(), f'a rules rewrite imported {loaded()}'\n"
+        "from streamck.plan import BUILTIN_PLANS, megatron_plan\n"
+        "assert BUILTIN_PLANS['megatron-gpt'] is megatron_plan and 'streamck.plan.megatron' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_plan_imports_another_plan():
+    """The built-in plans share their checks through streamck.plan.contract (and the
+    trainer exports through hf_export), never by importing one another."""
+    from streamck.plan import PLAN_FUNCTIONS
+
+    plans = {module for module, _ in PLAN_FUNCTIONS.values()}
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in imports().items()
+        if mod.startswith("streamck.plan.")
+        for dep in deps
+        if dep in plans and dep != mod
+    ]
+    assert wrong == []

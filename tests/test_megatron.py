@@ -220,3 +220,57 @@ def test_without_args_the_config_gives_the_sizes(tmp_path):
                                   "intermediate_size": 8, "num_hidden_layers": 1, "vocab_size": 8}))  # fmt: skip
     proc = cli("rewrite", step, "-o", tmp_path / "hf", "--plan", PLAN, "--hf-config", config, check=2)
     assert "model tensors do not match a GPTModel (1 layers)" in proc.stderr and "missing" in proc.stderr
+
+
+def _with_args(run: Path, **changes) -> Path:
+    """``run``'s iteration with its common_state item rewritten: the args megatron-core saved
+    (their plain values, as streamck reads them) with ``changes``, pickled as a Namespace
+    again and appended to the data file, the DCP metadata pointed at the new bytes."""
+    import argparse
+    import io
+    import pickle
+
+    from streamck.plan.megatron import step_dir
+    from streamck.plan.megatron_args import read_args
+
+    step = step_dir(run)
+    args, iteration = read_args(step)
+    buffer = io.BytesIO()
+    torch.save({"args": argparse.Namespace(**{**args, **changes}), "iteration": iteration}, buffer)
+    meta = pickle.loads((step / ".metadata").read_bytes())
+    index = next(k for k in meta.storage_data if k.fqn.startswith("common_state/"))
+    info = meta.storage_data[index]
+    data = step / info.relative_path
+    offset = data.stat().st_size
+    with data.open("ab") as f:
+        f.write(buffer.getvalue())
+    meta.storage_data[index] = type(info)(info.relative_path, offset, len(buffer.getvalue()))
+    (step / ".metadata").write_bytes(pickle.dumps(meta))
+    (run / "config.json").unlink(missing_ok=True)  # the sizes from the args alone
+    return run
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_attention_heads": 0}, "args.num_attention_heads must be a positive integer, not 0"),
+        ({"group_query_attention": True, "num_query_groups": None}, "args.num_query_groups must be a positive"),
+        ({"group_query_attention": True, "num_query_groups": 3}, "is not a multiple of args.num_query_groups 3"),
+        ({"vocab_size": 300}, "args.vocab_size 300 exceeds args.padded_vocab_size 256"),
+        ({"kv_channels": 15, "rotary_interleaved": True}, "args.rotary_interleaved with an odd head dim 15"),
+        ({"hidden_size": 30, "kv_channels": None}, "args.hidden_size 30 is not divisible"),
+        ({"num_layers": 3}, "has shape [2, 64], expected [3, 64] = [L, H]"),
+    ],
+)
+def test_bad_args_are_refused_before_writing(megatron, tmp_path, changes, message):
+    run = _with_args(_copy(megatron, tmp_path), **changes)
+    proc = cli("rewrite", run, "-o", tmp_path / "hf", "--plan", PLAN, check=2)
+    assert message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and not (tmp_path / "hf").exists()
+
+
+def test_rewritten_args_still_convert(megatron, tmp_path):
+    """The args rewriting above keeps a good checkpoint good (the refusals are the values')."""
+    run = _with_args(_copy(megatron, tmp_path))
+    cli("rewrite", run, "-o", tmp_path / "hf", "--plan", PLAN)
+    assert (tmp_path / "hf" / "config.json").is_file()

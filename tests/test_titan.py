@@ -175,3 +175,34 @@ def test_source_options_are_refused(titan, tmp_path):
     assert "--key, --zero and --keep-tied do not apply to --plan torchtitan-llama3, which opens its own source" in (
         proc.stderr
     )
+
+
+def test_steps_listed_by_number(titan, tmp_path):
+    """A checkpoint folder's steps are named in the order torchtitan wrote them, the
+    latest last (step-10 after step-9), as the hint to give one of them."""
+    folder = tmp_path / "checkpoint"
+    for n in (2, 10, 9):
+        shutil.copytree(titan["llama3"] / "checkpoint" / "step-1", folder / f"step-{n}")
+    proc = cli("rewrite", folder, "-o", tmp_path / "hf", "--plan", PLAN, check=2)
+    assert f"holds torchtitan steps (step-2, step-9, step-10): give one of them, e.g. {folder / 'step-10'}" in (
+        proc.stderr
+    )
+
+
+def test_tied_head_differing_after_64_kib_is_refused(tmp_path):
+    """A head equal to the embedding in its first 64 KiB, not in its last row, is not tied."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from streamck.errors import PlanError
+    from streamck.plan.torchtitan import _same_head
+    from streamck.source import open_checkpoint
+
+    embed = np.random.default_rng(0).standard_normal((1024, 64), dtype=np.float32)  # 256 KiB
+    head = embed.copy()
+    head[-1, -1] += 1
+    save_file({"tok_embeddings.weight": embed, "output.weight": head, "same": embed.copy()}, tmp_path / "m.safetensors")
+    refs = open_checkpoint(tmp_path / "m.safetensors").tensors
+    _same_head(refs["same"], refs["tok_embeddings.weight"], tmp_path / "config.json")
+    with pytest.raises(PlanError, match="output.weight is not tok_embeddings.weight in this checkpoint"):
+        _same_head(refs["output.weight"], refs["tok_embeddings.weight"], tmp_path / "config.json")

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from streamck.dtypes import TORCH_NAMES
-from streamck.errors import PlanError, UsageError
+from streamck.errors import PlanError, UsageError, listing
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
+from streamck.plan.contract import check_shape, compare_keys, evaluate, find_checkpoint_dir, load_config, only_casts
 from streamck.plan.eagle3_aux import AuxLayers, check_aux_layers, resolve_aux_layers
 from streamck.plan.eagle3_layout import (
     AUX_ID_KEYS,
@@ -44,7 +45,6 @@ from streamck.plan.eagle3_layout import (
     TENSORS,
     VOCAB_MAP,
 )
-from streamck.plan.eagle4 import _listing, _load_config, check_shape, evaluate, find_checkpoint_dir
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
 from streamck.source.layout import HF_METADATA
@@ -223,7 +223,7 @@ def _check_tensors(names: set[str], rows: list[Row], symbols: dict[str, int], wh
     biases = sorted(n for n in names if n.endswith(".bias"))
     if biases:
         raise PlanError(
-            f"{_listing('bias tensors', biases)}: SGLang builds the EAGLE-3 layer without biases and "
+            f"{len(biases)} bias tensors: {listing(biases)}: SGLang builds the EAGLE-3 layer without biases and "
             "ignores them silently",
             where,
         )
@@ -244,21 +244,15 @@ def _check_tensors(names: set[str], rows: list[Row], symbols: dict[str, int], wh
             where,
         )
     expected = {train for _, train, _, _ in rows}
-    missing, unexpected = sorted(expected - names), sorted(names - expected)
-    if missing or unexpected:
-        parts = [_listing(label, keys) for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
-        raise PlanError("training tensors do not match the EAGLE-3 table: " + "; ".join(parts), where)
+    compare_keys(expected, names, "training tensors do not match the EAGLE-3 table", where)
 
 
 def _compile(
     path: str | os.PathLike, rules: Rules | None, name: str, aux_layer_ids: Sequence[int] | str | None
 ) -> tuple[Path, dict, dict, AuxLayers, list, object]:
-    rules = rules or Rules()
-    others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
-    if others:
-        raise PlanError(f"--plan {name} fixes every name; it cannot be combined with {', '.join(others)} rules")
+    rules = only_casts(rules, name)
     directory = find_checkpoint_dir(path)
-    config = _load_config(directory)
+    config = load_config(directory / "config.json")
     symbols = structure(config, directory / "config.json")
     aux = resolve_aux_layers(config, path, directory, aux_layer_ids, symbols["n"])
     top, reason = AUX_TOP[name]

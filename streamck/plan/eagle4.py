@@ -14,6 +14,7 @@ from pathlib import Path
 from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
+from streamck.plan.contract import check_shape, compare_keys, evaluate, find_checkpoint_dir, load_config, only_casts
 from streamck.plan.eagle4_layout import (
     AUX_LAYERS,
     BIASES,
@@ -30,34 +31,10 @@ from streamck.plan.eagle4_layout import (
 )
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
-from streamck.source.layout import CONSOLIDATED, HF_METADATA, hub_snapshot
+from streamck.source.layout import HF_METADATA
 
 # Keys only an EAGLE draft's config has: without any, the config is some other model's.
 DRAFT_MARKS = ("eagle", "efficient_lm_head")
-
-
-def find_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The given directory if it holds config.json, else its ``model/consolidated``, else the
-    config written beside a step's shards (``model/.hf_metadata``); for a Hugging Face cache
-    entry or repo id, its snapshot."""
-    path = hub_snapshot(Path(path))
-    for candidate in (path, path / CONSOLIDATED, path / HF_METADATA):
-        if (candidate / "config.json").is_file():
-            return candidate
-    raise PlanError(f"no config.json in {path} nor in {path / CONSOLIDATED} or {path / HF_METADATA}")
-
-
-def _load_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise PlanError(f"cannot read: {e.strerror}", path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"not valid JSON: {e}", path) from None
-    if not isinstance(config, dict):
-        raise PlanError("is not a JSON object", path)
-    return config
 
 
 def _positive_int(value: object) -> bool:
@@ -147,25 +124,6 @@ def training_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {train: tuple(evaluate(e, symbols) for e in exprs) for _, train, exprs in table(config)}
 
 
-def evaluate(expr: str, symbols: dict[str, int]) -> int:
-    """A table expression (``H``, ``2*H``, ``nh*d``) with the config's symbols."""
-    return math.prod(int(f) if f.isdigit() else symbols[f] for f in expr.split("*"))
-
-
-def check_shape(
-    train: str, shape: tuple[int, ...], exprs: tuple[str, ...], symbols: dict[str, int], names: dict, where: Path
-) -> None:
-    """Raise PlanError when ``shape`` is not the table's ``exprs`` evaluated with the config's
-    ``symbols``: expected vs found, and the config keys behind (``names``: symbol -> key)."""
-    want = tuple(evaluate(e, symbols) for e in exprs)
-    if shape != want:
-        used = dict.fromkeys(f for e in exprs for f in e.split("*") if not f.isdigit())
-        behind = ", ".join(f"{u} = {names[u]}" for u in used)
-        raise PlanError(
-            f"{train} has shape {list(shape)}, expected {list(want)} = [{', '.join(exprs)}] from {behind}", where
-        )
-
-
 def serving_config(config: dict, dtype: str | None = None) -> dict:
     """The serving config.json: the copied keys present in ``config`` plus the set ones.
     A cast to ``dtype`` is reflected in ``torch_dtype`` when that key is present."""
@@ -176,21 +134,13 @@ def serving_config(config: dict, dtype: str | None = None) -> dict:
     return dict(sorted(out.items()))
 
 
-def _listing(label: str, names: list[str], limit: int = 10) -> str:
-    shown = ", ".join(names[:limit]) + (f", … ({len(names)} in all)" if len(names) > limit else "")
-    return f"{len(names)} {label}: {shown}"
-
-
 def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
     """Compile the EAGLE-4 export of the training checkpoint at ``path`` (a step directory
     or its ``model/consolidated``). Only cast rules may accompany it. Every check of
     the contract runs here, before anything is written."""
-    rules = rules or Rules()
-    others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
-    if others:
-        raise PlanError(f"--plan eagle4 fixes every name; it cannot be combined with {', '.join(others)} rules")
+    rules = only_casts(rules, "eagle4")
     directory = find_checkpoint_dir(path)
-    config = _load_config(directory)
+    config = load_config(directory / "config.json")
     symbols = structure(config, directory / "config.json")
     ckpt = open_checkpoint(directory if directory.name != HF_METADATA.name else path)
     second = sorted(
@@ -204,11 +154,7 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
         )
     rows = table(config)
     expected = {train: (serve, shape) for serve, train, shape in rows}
-    missing = sorted(set(expected) - set(ckpt.tensors))
-    unexpected = sorted(set(ckpt.tensors) - set(expected))
-    if missing or unexpected:
-        parts = [_listing(label, names) for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
-        raise PlanError("training tensors do not match the EAGLE-4 table: " + "; ".join(parts), directory)
+    compare_keys(expected, ckpt.tensors, "training tensors do not match the EAGLE-4 table", directory)
     tensors = []
     for serve, train, exprs in rows:
         ref = ckpt.tensors[train]

@@ -1,5 +1,6 @@
 """What the trainer-to-Hugging-Face plans share: the model's sizes from an HF config, shape
-checks against them, the output ``config.json``, and the plan assembled from the rows chosen.
+checks against them, the output ``config.json``, and the plan assembled from the rows chosen
+(the checks every built-in plan runs are streamck.plan.contract's).
 
 The plans themselves (``torchtitan.py``, ``megatron.py``) only say which source rows make
 each Hugging Face tensor (streamck.source.select); every check runs before a byte is written.
@@ -10,14 +11,13 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 from streamck.dtypes import TORCH_NAMES
-from streamck.errors import PlanError, listing
+from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
-from streamck.plan.eagle4 import check_shape
+from streamck.plan.contract import check_shape
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
 
@@ -40,14 +40,6 @@ REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidd
 FLOATS = frozenset({"F32", "BF16", "F16"})
 
 
-def only_casts(rules: Rules, plan: str) -> Rules:
-    """``rules`` when they only cast; a plan that fixes every name refuses renames and drops."""
-    others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
-    if others:
-        raise PlanError(f"--plan {plan} fixes every name; it cannot be combined with {', '.join(others)} rules")
-    return rules
-
-
 def find_config(step: Path, given: str | Path | None, plan: str) -> Path:
     """``given`` (``--hf-config``), else a ``config.json`` in the step folder or beside it."""
     if given is not None:
@@ -63,19 +55,6 @@ def find_config(step: Path, given: str | Path | None, plan: str) -> Path:
         "or put config.json beside the step",
         step,
     )
-
-
-def load_config(path: Path) -> dict:
-    """The JSON object in ``path``, or a PlanError naming it."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise PlanError(f"cannot read: {e.strerror}", path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"not valid JSON: {e}", path) from None
-    if not isinstance(config, dict):
-        raise PlanError("is not a JSON object", path)
-    return config
 
 
 def sizes(config: dict, where: Path) -> dict[str, int]:
@@ -106,15 +85,6 @@ def check(name: str, ref: TensorRef, exprs: tuple[str, ...], symbols: dict[str, 
     check_shape(name, ref.shape, exprs, symbols, {**SYMBOLS, **DERIVED}, where)
     if ref.dtype not in FLOATS:
         raise PlanError(f"{name} is {ref.dtype}; model weights are F32, BF16 or F16", where)
-
-
-def compare_keys(expected: Iterable[str], found: Iterable[str], what: str, where: Path) -> None:
-    """Refuse a checkpoint whose model keys are not exactly ``expected``, listing both ways."""
-    expected, found = set(expected), set(found)
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        parts = [f"{len(v)} {k}: {listing(v, 6)}" for k, v in (("missing", missing), ("unexpected", unexpected)) if v]
-        raise PlanError(f"model tensors do not match {what}: " + "; ".join(parts), where)
 
 
 def output_config(config: dict, dtype: str) -> bytes:

@@ -22,6 +22,7 @@ import orjson
 from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
+from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.megatron_args import read_args
 from streamck.plan.megatron_layout import (
     HEAD,
@@ -42,6 +43,17 @@ from streamck.source.select import Rows, select
 PLAN = "megatron-gpt"
 # Args whose values must equal the Hugging Face config's, by shape symbol.
 CROSS_CHECKED = ("L", "H", "nh", "nkv", "d", "I")
+# The arg behind each shape symbol, named when its value is refused.
+ARG_NAMES = {
+    "L": "num_layers",
+    "H": "hidden_size",
+    "nh": "num_attention_heads",
+    "nkv": "num_query_groups",
+    "d": "kv_channels",
+    "I": "ffn_hidden_size",
+    "V": "vocab_size",
+    "Vp": "padded_vocab_size",
+}
 
 
 def step_dir(path: Path) -> Path:
@@ -69,7 +81,8 @@ def step_dir(path: Path) -> Path:
 
 
 def _sizes(args: dict, keys: dict[str, TensorRef], where: Path) -> dict[str, int]:
-    """Shape symbols from Megatron's args (its argument names)."""
+    """Shape symbols from Megatron's args (its argument names), each a positive integer that
+    makes whole heads and query groups (as ``hf_export.sizes`` checks a config's)."""
     try:
         nh, H = args["num_attention_heads"], args["hidden_size"]
         out = {
@@ -77,14 +90,34 @@ def _sizes(args: dict, keys: dict[str, TensorRef], where: Path) -> dict[str, int
             "H": H,
             "nh": nh,
             "nkv": args.get("num_query_groups") if args.get("group_query_attention") else nh,
-            "d": args.get("kv_channels") or H // nh,
-            "I": args.get("ffn_hidden_size") or 4 * H,
+            "d": args.get("kv_channels"),
+            "I": args.get("ffn_hidden_size"),
             "Vp": args.get("padded_vocab_size") or keys[TOP[0][1]].shape[0],
         }
     except KeyError as e:
         raise PlanError(f"the checkpoint's args lack {e.args[0]}: give --hf-config", where) from None
+    for s in ("L", "H", "nh", "nkv", "Vp"):
+        _positive(s, out[s], where)
+    if out["d"] is None and H % nh:
+        raise PlanError(f"args.hidden_size {H} is not divisible by args.num_attention_heads {nh}", where)
+    out["d"] = H // nh if out["d"] is None else out["d"]
+    out["I"] = 4 * H if out["I"] is None else out["I"]
     out["V"] = args.get("vocab_size") or out["Vp"]
+    for s in ("d", "I", "V"):
+        _positive(s, out[s], where)
+    if nh % out["nkv"]:
+        raise PlanError(f"args.num_attention_heads {nh} is not a multiple of args.num_query_groups {out['nkv']}", where)
+    if out["V"] > out["Vp"]:
+        raise PlanError(f"args.vocab_size {out['V']} exceeds args.padded_vocab_size {out['Vp']}", where)
+    if args.get("rotary_interleaved") and out["d"] % 2:
+        raise PlanError(f"args.rotary_interleaved with an odd head dim {out['d']}: RoPE pairs need an even one", where)
     return out
+
+
+def _positive(symbol: str, value: object, where: Path) -> None:
+    """``value`` of the arg behind ``symbol`` is a positive int, else PlanError naming the arg."""
+    if type(value) is not int or value <= 0:
+        raise PlanError(f"args.{ARG_NAMES[symbol]} must be a positive integer, not {value!r}", where)
 
 
 def _from_config(config: dict, keys: dict[str, TensorRef], where: Path) -> dict[str, int]:
@@ -142,7 +175,7 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     """Compile the Hugging Face export of the Megatron GPTModel checkpoint at ``path`` (a run
     root with its tracker file, or an ``iter_*`` folder). Only cast rules may accompany it;
     every key, shape and size is checked before anything is written."""
-    rules = hf_export.only_casts(rules or Rules(), PLAN)
+    rules = only_casts(rules, PLAN)
     step = step_dir(Path(path))
     args, iteration = read_args(step)
     ckpt = open_checkpoint(step)
@@ -152,14 +185,14 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
     table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
     expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
-    hf_export.compare_keys(expected, keys, f"a GPTModel ({sizes['L']} layers)", step)
+    compare_keys(expected, keys, f"model tensors do not match a GPTModel ({sizes['L']} layers)", step)
     if config is None:
         config = _hf_config(args, sizes, bias, norms, tied)
     else:
         _config_fits(config, bias, norms, tied, config_path)
     for _, key, _, exprs in (*TOP, *table, *(() if tied else (HEAD,))):
         hf_export.check(key, keys[key], exprs, sizes, step)
-    outputs = _outputs(keys, table, sizes, bool(args.get("rotary_interleaved")), tied)
+    outputs = _outputs(keys, table, sizes, bool(args.get("rotary_interleaved")), tied, step)
     sources = [*(["its args"] if args else []), *([str(config_path)] if config_path else [])]
     features = (", qkv bias" if bias else "") + (", q/k norms" if norms else "") + (", tied head" if tied else "")
     summary = [
@@ -181,7 +214,7 @@ def _sizes_and_config(
     lies beside the step (required when the checkpoint holds no args)."""
     given = hf_config is not None or (step / "config.json").is_file() or (step.parent / "config.json").is_file()
     config_path = hf_export.find_config(step, hf_config, PLAN) if given or not args else None
-    config = hf_export.load_config(config_path) if config_path else None
+    config = load_config(config_path) if config_path else None
     if args:
         sizes = _sizes(args, keys, step)
         sizes = _agree(sizes, config, config_path) if config is not None else sizes
@@ -207,15 +240,23 @@ def _config_fits(config: dict, bias: bool, norms: bool, tied: bool, where: Path)
                         f"{HEAD[1]}", where)  # fmt: skip
 
 
-def _outputs(keys: dict, table: list, sizes: dict, interleaved: bool, tied: bool) -> list[TensorRef]:
+def _outputs(keys: dict, table: list, sizes: dict, interleaved: bool, tied: bool, where: Path) -> list[TensorRef]:
     """Every Hugging Face tensor as rows of the Megatron ones: the top-level ones, then per layer."""
-    out = [select(keys[key], rows(kind, sizes, interleaved), name=hf) for hf, key, kind, _ in TOP]
+    out = [_select(keys[key], rows(kind, sizes, interleaved), None, hf, where) for hf, key, kind, _ in TOP]
     if not tied:
-        out.append(select(keys[HEAD[1]], rows(HEAD[2], sizes, interleaved), name=HEAD[0]))
+        out.append(_select(keys[HEAD[1]], rows(HEAD[2], sizes, interleaved), None, HEAD[0], where))
     for i in range(sizes["L"]):
         for hf, key, kind, _ in table:
-            out.append(select(keys[key], rows(kind, sizes, interleaved), index=i, name=hf.format(i=i)))
+            out.append(_select(keys[key], rows(kind, sizes, interleaved), i, hf.format(i=i), where))
     return out
+
+
+def _select(ref: TensorRef, order: Rows | None, index: int | None, name: str, where: Path) -> TensorRef:
+    """``select``, its refusal (rows or a layer outside the tensor) a PlanError naming ``ref``."""
+    try:
+        return select(ref, order, index=index, name=name)
+    except ValueError as e:
+        raise PlanError(f"{name} from {e}: the checkpoint's args do not fit its tensors", where) from None
 
 
 def _hf_config(args: dict, s: dict[str, int], bias: bool, norms: bool, tied: bool) -> dict:
@@ -243,4 +284,3 @@ def _hf_config(args: dict, s: dict[str, int], bias: bool, norms: bool, tied: boo
     if model_type == "llama":
         config["attention_bias"] = bias
     return config
-

@@ -18,6 +18,7 @@ from pathlib import Path
 from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
+from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.rules import Rules
 from streamck.plan.torchtitan_layout import FAMILIES, HEAD, LAYER, QK_NORM, TOP, TRAINING_STATE, VERSIONS
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
@@ -27,8 +28,8 @@ from streamck.source.select import Rows, select
 PLAN = "torchtitan-llama3"
 # Config flags for biases that torchtitan's Llama 3 and Qwen3 never have.
 BIAS_FLAGS = ("attention_bias", "mlp_bias")
-# Bytes of a tied head compared with the embedding (see _same_head).
-HEAD_SAMPLE = 1 << 16
+# Bytes read at a time from each side when a tied head is compared with the embedding.
+SAME_WINDOW = 8 << 20
 
 
 def _step_dir(path: Path) -> Path:
@@ -36,11 +37,17 @@ def _step_dir(path: Path) -> Path:
     refused with the steps it holds (which one to convert is the user's choice)."""
     if (path / DCP_METADATA).is_file():
         return path
-    steps = sorted((p for p in path.glob("step-*") if (p / DCP_METADATA).is_file()), key=lambda p: p.name)
+    steps = sorted((p for p in path.glob("step-*") if (p / DCP_METADATA).is_file()), key=_step_number)
     if steps:
         names = ", ".join(p.name for p in steps)
         raise PlanError(f"holds torchtitan steps ({names}): give one of them, e.g. {path / steps[-1].name}", path)
     raise PlanError(f"is not a torchtitan step (no {DCP_METADATA}: torchtitan saves checkpoint/step-N/)", path)
+
+
+def _step_number(step: Path) -> tuple[int, str]:
+    """Sort key of a ``step-N`` folder: by N as a number (step-9 before step-10), then by name."""
+    tail = step.name.removeprefix("step-")
+    return (int(tail), "") if tail.isdigit() else (-1, step.name)
 
 
 def _version(names: set[str], where: Path) -> int:
@@ -81,10 +88,10 @@ def _rows(kind: str | None, sizes: dict[str, int], name: str, where: Path) -> Ro
 def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config: str | None = None) -> Plan:
     """Compile the Hugging Face export of the torchtitan step at ``path``. Only cast rules
     may accompany it; every key, shape and the config are checked before anything is written."""
-    rules = hf_export.only_casts(rules or Rules(), PLAN)
+    rules = only_casts(rules, PLAN)
     step = _step_dir(Path(path))
     config_path = hf_export.find_config(step, hf_config, PLAN)
-    config = hf_export.load_config(config_path)
+    config = load_config(config_path)
     sizes = hf_export.sizes(config, config_path)
     ckpt = open_checkpoint(step)
     model = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
@@ -97,8 +104,9 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
         rows += [(r[0].format(i=i), r[1].format(i=i), r[2].format(i=i), *r[3:]) for r in layer]
     head_key = HEAD[column]
     optional = {head_key} if tied else set()  # torchtitan saves the tied head under both names
-    hf_export.compare_keys([r[column] for r in rows] + ([] if tied else [head_key]), set(model) - optional,
-                           f"a {sizes['L']}-layer torchtitan {config['model_type']} (from {config_path.name})", step)
+    model_name = f"a {sizes['L']}-layer torchtitan {config['model_type']} (from {config_path.name})"
+    what = f"model tensors do not match {model_name}"
+    compare_keys([r[column] for r in rows] + ([] if tied else [head_key]), set(model) - optional, what, step)
     if not tied:
         rows.append(HEAD)
     elif head_key in model:
@@ -125,18 +133,24 @@ def _output(ref: TensorRef, row: tuple, sizes: dict[str, int], permute: bool, wh
 
 def _same_head(head: TensorRef, embed: TensorRef, config_path: Path) -> None:
     """A config that ties the head, for a checkpoint whose head is not its embedding, is
-    another model's: leaving the head out would change the model. The first rows tell."""
-    from streamck.source.reader import Reader
-
-    size = min(HEAD_SAMPLE, head.nbytes)
-    with Reader(chunk=size or 1) as reader:
-        a, b = (bytes(next(iter(reader.windows(r, size)), b"")) for r in (head, embed))
-    if head.shape != embed.shape or head.dtype != embed.dtype or a != b:
+    another model's: leaving the head out would change the model. Every byte is compared,
+    in bounded windows (a head fine-tuned apart may differ in its last rows only)."""
+    same = head.shape == embed.shape and head.dtype == embed.dtype and _same_bytes(head, embed)
+    if not same:
         raise PlanError(
             f"tie_word_embeddings is true, but {head.name} is not {embed.name} in this checkpoint: "
             "the config is not this model's",
             config_path,
         )
+
+
+def _same_bytes(a: TensorRef, b: TensorRef) -> bool:
+    """Whether two tensors of one size hold the same bytes, read window by window (both in
+    windows of one size, whatever their runs), stopping at the first difference."""
+    from streamck.source.reader import Reader
+
+    with Reader(SAME_WINDOW) as ra, Reader(SAME_WINDOW) as rb:
+        return all(wa == wb for wa, wb in zip(ra.windows(a), rb.windows(b), strict=True))
 
 
 def _left_out(ckpt: Checkpoint, model: dict, written: int, tied_head: bool) -> str:

@@ -1,0 +1,81 @@
+"""The checks every built-in plan (``--plan eagle4``, ``eagle3``, ``torchtitan-llama3``,
+``megatron-gpt``) runs on its input before a byte is written: only cast rules beside a
+plan that fixes every name, a config that is a JSON object, tensors that are exactly the
+plan's table, each of the shape the table gives; and where a draft's config lies. One neutral module, so that no plan
+depends on another for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from streamck.errors import PlanError, listing
+from streamck.plan.rules import Rules
+from streamck.source.layout import CONSOLIDATED, HF_METADATA, hub_snapshot
+
+
+def only_casts(rules: Rules | None, plan: str) -> Rules:
+    """``rules`` (none: empty) when they only cast; a plan that fixes every name refuses
+    renames and drops."""
+    rules = rules or Rules()
+    others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
+    if others:
+        raise PlanError(f"--plan {plan} fixes every name; it cannot be combined with {', '.join(others)} rules")
+    return rules
+
+
+def find_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The given directory if it holds config.json, else its ``model/consolidated``, else the
+    config written beside a step's shards (``model/.hf_metadata``); for a Hugging Face cache
+    entry or repo id, its snapshot."""
+    path = hub_snapshot(Path(path))
+    for candidate in (path, path / CONSOLIDATED, path / HF_METADATA):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise PlanError(f"no config.json in {path} nor in {path / CONSOLIDATED} or {path / HF_METADATA}")
+
+
+def load_config(path: Path) -> dict:
+    """The JSON object in ``path``, or a PlanError naming it."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PlanError(f"cannot read: {e.strerror}", path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"not valid JSON: {e}", path) from None
+    if not isinstance(config, dict):
+        raise PlanError("is not a JSON object", path)
+    return config
+
+
+def compare_keys(expected: Iterable[str], found: Iterable[str], mismatch: str, where: Path) -> None:
+    """Refuse tensors whose names are not exactly ``expected``: ``mismatch`` (what they do
+    not match), then the missing and the unexpected names."""
+    expected, found = set(expected), set(found)
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        parts = [f"{len(v)} {k}: {listing(v)}" for k, v in (("missing", missing), ("unexpected", unexpected)) if v]
+        raise PlanError(f"{mismatch}: " + "; ".join(parts), where)
+
+
+def evaluate(expr: str, symbols: dict[str, int]) -> int:
+    """A table expression (``H``, ``2*H``, ``nh*d``) with the config's symbols."""
+    return math.prod(int(f) if f.isdigit() else symbols[f] for f in expr.split("*"))
+
+
+def check_shape(
+    name: str, shape: tuple[int, ...], exprs: tuple[str, ...], symbols: dict[str, int], names: dict, where: Path
+) -> None:
+    """Raise PlanError when ``shape`` is not the table's ``exprs`` evaluated with the config's
+    ``symbols``: expected vs found, and the config keys behind (``names``: symbol -> key)."""
+    want = tuple(evaluate(e, symbols) for e in exprs)
+    if shape != want:
+        used = dict.fromkeys(f for e in exprs for f in e.split("*") if not f.isdigit())
+        behind = ", ".join(f"{u} = {names[u]}" for u in used)
+        raise PlanError(
+            f"{name} has shape {list(shape)}, expected {list(want)} = [{', '.join(exprs)}] from {behind}", where
+        )
