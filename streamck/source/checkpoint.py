@@ -14,9 +14,10 @@ from pathlib import Path
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
 from streamck.source import fsdp
-from streamck.source.crosscheck import cross_check, side_object
+from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
+from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
 
 
@@ -224,16 +225,16 @@ _name = itemgetter(0)  # TensorRef.name, at C speed
 def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied: bool = False) -> Checkpoint:
     layout = find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
-        found = _untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
+        found = untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
         return _not_empty(found, "DeepSpeed ZeRO")
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind == "fsdp":
         if select not in (None, fsdp.MODEL_KEY):
             raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, 'model'", path)
-        return _untie_fsdp(_not_empty(_index_distributed(path, layout, None), "FSDP"), keep_tied)
+        return untie_fsdp(_not_empty(_index_distributed(path, layout, None), "FSDP"), keep_tied)
     if layout.kind != "files":
-        return _tied_kept(_not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
+        return tied_kept(_not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
@@ -269,18 +270,9 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
     found = Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
     if not fsdp.full_alone(layout.shards):
-        return _tied_kept(found, keep_tied)
+        return tied_kept(found, keep_tied)
     found.notices.extend(fsdp.left_beside(layout.root, fsdp.FULL_FILE))
-    return _untie_fsdp(found, keep_tied)
-
-
-def _tied_kept(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
-    """A source read as saved: --keep-tied has nothing to keep, and the user hears so."""
-    if keep_tied:
-        ckpt.notices.append(
-            "--keep-tied does nothing here: only ZeRO and FSDP state leave tied heads out; read as saved"
-        )
-    return ckpt
+    return untie_fsdp(found, keep_tied)
 
 
 def _rel(path: Path, root: Path) -> Path:
@@ -300,7 +292,7 @@ def _placeholders(
     rel = _rel(layout.zero, layout.root)
     if not tensors:
         found.notices.insert(0, f"{what.name} holds no tensors: reading every tensor from the ZeRO state in {rel}")
-        return _untie(found, aliases, keep_tied)
+        return untie(found, aliases, keep_tied)
     unknown = [n for n in empty if n not in found.tensors]
     if unknown:
         shown = listing([repr(n) for n in unknown], 3)
@@ -317,7 +309,7 @@ def _placeholders(
         f"{what.name} holds {len(held)} size-0 placeholders ({listing(held, 3)}; ZeRO-3 saves them so): "
         f"reading every tensor from the ZeRO state in {rel}",
     )
-    return _untie(found, aliases, keep_tied)
+    return untie(found, aliases, keep_tied)
 
 
 def _index_zero(path: Path, step_dir: Path, side_root: Path) -> tuple[Checkpoint, dict[str, str]]:
@@ -332,41 +324,3 @@ def _index_zero(path: Path, step_dir: Path, side_root: Path) -> tuple[Checkpoint
     tensors, paths = _tiled(entries, step_dir)
     files = {p: FileStamp.of(p) for p in paths}
     return Checkpoint(path, step_dir, tensors, {}, files, notices, side_root), aliases
-
-
-# The output embeddings transformers ties to the input embeddings on load when the config
-# says ``tie_word_embeddings``; ``save_pretrained`` leaves them out. Other ties are kept.
-OUTPUT_HEADS = ("lm_head.weight", "embed_out.weight")
-
-
-def _untie(ckpt: Checkpoint, aliases: dict[str, str], keep_tied: bool = False) -> Checkpoint:
-    """Leave out a ZeRO checkpoint's tied output head (``lm_head.weight``, an alias of
-    ``model.embed_tokens.weight``) when its ``config.json`` says ``tie_word_embeddings``,
-    as ``save_pretrained`` leaves it out (transformers ties it again on load)."""
-    heads = {a: t for a, t in aliases.items() if a.endswith(OUTPUT_HEADS)}
-    if keep_tied or not heads or not _ties_embeddings(ckpt.side_root or ckpt.root):
-        return ckpt
-    for alias in heads:
-        del ckpt.tensors[alias]
-    pairs = listing([f"{a} (= {t})" for a, t in heads.items()], 3)
-    ckpt.notices.append(
-        f"tied {pairs} left out, as save_pretrained writes it (tie_word_embeddings in config.json); "
-        "--keep-tied writes every name"
-    )
-    return ckpt
-
-
-def _ties_embeddings(root: Path) -> bool:
-    """Whether ``root/config.json`` says ``tie_word_embeddings: true`` (at the top or in
-    ``text_config``); False when there is no config."""
-    config = side_object(root / "config.json", "is not a JSON object") or {}
-    text = config.get("text_config")
-    return config.get("tie_word_embeddings") is True or (
-        isinstance(text, dict) and text.get("tie_word_embeddings") is True
-    )
-
-
-def _untie_fsdp(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
-    """An FSDP model (tied heads under both names, config.json maybe missing) as save_pretrained writes it."""
-    ckpt.notices.extend(fsdp.no_config(ckpt.side_root or ckpt.root))
-    return _untie(ckpt, fsdp.head_aliases(ckpt.tensors), keep_tied)

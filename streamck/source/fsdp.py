@@ -93,7 +93,7 @@ def left_beside(checkpoint: Path, read: str) -> list[str]:
 def head_aliases(tensors: dict) -> dict[str, str]:
     """Each output head (TIED_TO) with the input embedding of its dtype and shape it may be
     tied to: an FSDP state dict holds a tied head under both names and records no aliases,
-    so the config decides (checkpoint._untie)."""
+    so the config decides (tied.untie)."""
     found = {}
     for head, inputs in TIED_TO.items():
         ref = tensors.get(head)
