@@ -177,7 +177,8 @@ def test_indexing_leaves_the_collector_as_it_was(tmp_path, frozen):
             tensors = open_checkpoint(tmp_path).tensors
             assert any(o is tensors for o in gc.get_objects(generation=2)) is not frozen
             assert gc.isenabled() is enabled
-            assert gc.get_freeze_count() == count
+            # frozen objects may die meanwhile (count drops a little); unfreeze would drop it to 0
+            assert (gc.get_freeze_count() > count // 2) if frozen else gc.get_freeze_count() == count
     finally:
         gc.enable()
         gc.unfreeze()
