@@ -120,17 +120,3 @@ def test_not_with_a_built_in_plan(bases, tmp_path):
     assert "--merge-lora merges into a base checkpoint, not into --plan eagle4" in proc.stderr
     assert not (tmp_path / "out").exists()
 
-
-def test_without_torch(bases, tmp_path):
-    """torch is optional for streamck and needed by the merge: one line, before anything is written."""
-    from helpers import REPO
-
-    fake = tmp_path / "no-torch" / "torch"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
-    env = {"PYTHONPATH": f"{fake.parent}:{REPO}"}
-    proc = cli("rewrite", bases["base"], "-o", tmp_path / "out", "--merge-lora", bases["tied"], env=env, check=2)
-    assert proc.stderr.strip() == (
-        "streamck: error: --merge-lora needs torch, which is not installed: pip install 'streamck[cast]'"
-    )
-    assert not (tmp_path / "out").exists()

@@ -1,0 +1,87 @@
+"""A LoRA merge without torch: the same blocks and operations as streamck.writer.merge, in numpy.
+
+Not PEFT's bits: numpy's GEMM (OpenBLAS) sums the r products in another order than torch's
+for many shapes, and numpy's norm (DoRA) sums a row in another order; the fp32 results
+differ in the last bits, and rounded to bf16 a value differs by one unit in the last place
+where that lands on a rounding boundary (tests/test_lora_numpy.py). Chosen when torch is not
+installed (said in the plan's summary), or asked for (``--merge-engine numpy``): no torch
+import, so a few tens of MiB of memory and no second of start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from streamck.errors import OutputError
+from streamck.plan import OutputTensor
+from streamck.source import TensorRef
+from streamck.source.reader import Reader
+from streamck.writer.merge import MERGE_CHUNK, merged_pieces, row_blocks
+from streamck.writer.npcast import NP_DTYPES, Converter
+
+
+def computed_pieces(t: OutputTensor, reader: Reader, chunk: int, space: dict | None = None) -> Iterator[memoryview]:
+    """A computed tensor's bytes, by the engine its merge names (torch unless said)."""
+    if t.merge.engine == "numpy":
+        return _merged(t, reader, chunk, Converter())
+    return merged_pieces(t, reader, chunk, space)
+
+
+def _f32(conv: Converter, data: np.ndarray, dtype: str) -> np.ndarray:
+    """The bytes ``data`` of ``dtype`` elements as a new fp32 array."""
+    out = np.empty(len(data) // np.dtype(NP_DTYPES[dtype]).itemsize, np.float32)
+    conv.convert(dtype, "F32", data.copy(), out.view(np.uint8))
+    return out
+
+
+def _whole(reader: Reader, conv: Converter, ref: TensorRef) -> np.ndarray:
+    buf = np.empty(ref.nbytes, np.uint8)
+    if reader.stream(ref).readinto(memoryview(buf)) != ref.nbytes:
+        raise OutputError(f"{ref.name} ended early", ref.path)
+    return _f32(conv, buf, ref.dtype).reshape(ref.shape)
+
+
+def _rounded(conv: Converter, x: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 ``x`` rounded to ``dtype`` and back (PEFT's ``delta.to(W.dtype)`` before the add)."""
+    out = np.empty(x.size * np.dtype(NP_DTYPES[dtype]).itemsize, np.uint8)
+    conv.convert("F32", dtype, np.ascontiguousarray(x).reshape(-1).view(np.uint8), out)
+    return _f32(conv, out, dtype).reshape(x.shape)
+
+
+def _merged(t: OutputTensor, reader: Reader, chunk: int, conv: Converter) -> Iterator[memoryview]:
+    m, w = t.merge, t.source
+    scale = np.float32(m.scale)
+    if m.kind == "bias":
+        yield from _emit(t, conv, _whole(reader, conv, w) + _whole(reader, conv, m.b) * scale)
+        return
+    rows, cols = w.shape
+    a, b = _whole(reader, conv, m.a), _whole(reader, conv, m.b)
+    magnitude = _whole(reader, conv, m.magnitude) if m.magnitude is not None else None
+    size = w.nbytes // max(w.numel, 1)
+    stream = reader.stream(w)
+    for start, end in row_blocks(rows, cols * 4, min(chunk, MERGE_CHUNK)):
+        raw = np.empty((end - start) * cols * size, np.uint8)
+        if stream.readinto(memoryview(raw)) != len(raw):
+            raise OutputError(f"{w.name} ended early", w.path)
+        total = _f32(conv, raw, w.dtype).reshape(end - start, cols)
+        delta = ((b @ a[:, start:end]) * scale).T if m.transposed else (b[start:end] @ a) * scale
+        total += _rounded(conv, delta, w.dtype) if m.round_delta else delta
+        if magnitude is not None:
+            total *= (magnitude[start:end] / np.linalg.norm(total, axis=1))[:, None]
+        yield from _emit(t, conv, total)
+
+
+def _emit(t: OutputTensor, conv: Converter, total: np.ndarray) -> Iterator[memoryview]:
+    """``total`` rounded to W's dtype (then cast to ``t.dtype`` when asked) as bytes."""
+    flat = np.ascontiguousarray(total, np.float32).reshape(-1)
+    out = np.empty(flat.size * np.dtype(NP_DTYPES[t.source.dtype]).itemsize, np.uint8)
+    conv.convert("F32", t.source.dtype, flat.view(np.uint8).copy(), out)
+    if t.merge.safe and not np.isfinite(_f32(conv, out, t.source.dtype)).all():
+        raise OutputError(f"NaNs or infinities in the merged {t.name}: the adapter seems broken (safe_merge)")
+    if t.dtype != t.source.dtype:
+        cast = np.empty(flat.size * np.dtype(NP_DTYPES[t.dtype]).itemsize, np.uint8)
+        conv.convert(t.source.dtype, t.dtype, out, cast)
+        out = cast
+    yield memoryview(out)
