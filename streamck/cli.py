@@ -404,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
+    # numpy's BLAS runs only --merge-engine numpy's GEMM (r products an element, memory-bound);
+    # its second, spinning thread took 8.5 s of CPU for a 1 GiB merge that one thread does in
+    # 1.6 (a 2-core VM). numpy reads this once, when first imported: not yet, here.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     sys.exit(main())
 
 

@@ -51,37 +51,49 @@ def _rounded(conv: Converter, x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _merged(t: OutputTensor, reader: Reader, chunk: int, conv: Converter) -> Iterator[memoryview]:
+    """As streamck.writer.merge's, in buffers made once per tensor."""
     m, w = t.merge, t.source
     scale = np.float32(m.scale)
     if m.kind == "bias":
-        yield from _emit(t, conv, _whole(reader, conv, w) + _whole(reader, conv, m.b) * scale)
+        total = _whole(reader, conv, w) + _whole(reader, conv, m.b) * scale
+        yield from _emit(t, conv, total.reshape(-1), np.empty(w.nbytes, np.uint8))
         return
     rows, cols = w.shape
     a, b = _whole(reader, conv, m.a), _whole(reader, conv, m.b)
     magnitude = _whole(reader, conv, m.magnitude) if m.magnitude is not None else None
     size = w.nbytes // max(w.numel, 1)
+    blocks = row_blocks(rows, cols * 4, min(chunk, MERGE_CHUNK))
+    most = max(e - s for s, e in blocks) * cols
+    raw, out = np.empty(most * size, np.uint8), np.empty(most * size, np.uint8)
+    total, delta = np.empty(most, np.float32), np.empty(most, np.float32)
     stream = reader.stream(w)
-    for start, end in row_blocks(rows, cols * 4, min(chunk, MERGE_CHUNK)):
-        raw = np.empty((end - start) * cols * size, np.uint8)
-        if stream.readinto(memoryview(raw)) != len(raw):
+    for start, end in blocks:
+        n = end - start
+        if stream.readinto(memoryview(raw[: n * cols * size])) != n * cols * size:
             raise OutputError(f"{w.name} ended early", w.path)
-        total = _f32(conv, raw, w.dtype).reshape(end - start, cols)
-        delta = ((b @ a[:, start:end]) * scale).T if m.transposed else (b[start:end] @ a) * scale
-        total += _rounded(conv, delta, w.dtype) if m.round_delta else delta
-        if magnitude is not None:
-            total *= (magnitude[start:end] / np.linalg.norm(total, axis=1))[:, None]
-        yield from _emit(t, conv, total)
+        conv.convert(w.dtype, "F32", raw[: n * cols * size], total[: n * cols].view(np.uint8))
+        block = total[: n * cols].reshape(n, cols)
+        if m.transposed:  # (B @ A[:, rows])^T * s
+            d = np.matmul(b, a[:, start:end], out=delta[: n * cols].reshape(cols, n))
+            d = np.multiply(d, scale, out=d).T
+        else:  # (B[rows] @ A) * s
+            d = np.matmul(b[start:end], a, out=delta[: n * cols].reshape(n, cols))
+            np.multiply(d, scale, out=d)
+        np.add(block, _rounded(conv, d, w.dtype) if m.round_delta else d, out=block)
+        if magnitude is not None:  # DoRA: each row to magnitude / its norm
+            block *= (magnitude[start:end] / np.linalg.norm(block, axis=1))[:, None]
+        yield from _emit(t, conv, total[: n * cols], out[: n * cols * size])
 
 
-def _emit(t: OutputTensor, conv: Converter, total: np.ndarray) -> Iterator[memoryview]:
-    """``total`` rounded to W's dtype (then cast to ``t.dtype`` when asked) as bytes."""
-    flat = np.ascontiguousarray(total, np.float32).reshape(-1)
-    out = np.empty(flat.size * np.dtype(NP_DTYPES[t.source.dtype]).itemsize, np.uint8)
-    conv.convert("F32", t.source.dtype, flat.view(np.uint8).copy(), out)
-    if t.merge.safe and not np.isfinite(_f32(conv, out, t.source.dtype)).all():
+def _emit(t: OutputTensor, conv: Converter, total: np.ndarray, out: np.ndarray) -> Iterator[memoryview]:
+    """``total`` (flat fp32, overwritten) rounded into ``out`` in W's dtype, then cast to
+    ``t.dtype`` when asked, as bytes. safe_merge refuses a value that is not finite in W's dtype."""
+    finite = not t.merge.safe or np.isfinite(total).all()
+    became_inf = conv.convert("F32", t.source.dtype, total.view(np.uint8), out)
+    if not finite or (t.merge.safe and became_inf):
         raise OutputError(f"NaNs or infinities in the merged {t.name}: the adapter seems broken (safe_merge)")
     if t.dtype != t.source.dtype:
-        cast = np.empty(flat.size * np.dtype(NP_DTYPES[t.dtype]).itemsize, np.uint8)
+        cast = np.empty(total.size * np.dtype(NP_DTYPES[t.dtype]).itemsize, np.uint8)
         conv.convert(t.source.dtype, t.dtype, out, cast)
         out = cast
     yield memoryview(out)
