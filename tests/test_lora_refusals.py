@@ -119,4 +119,3 @@ def test_not_with_a_built_in_plan(bases, tmp_path):
     )
     assert "--merge-lora merges into a base checkpoint, not into --plan eagle4" in proc.stderr
     assert not (tmp_path / "out").exists()
-

@@ -34,7 +34,7 @@ from streamck.source import Checkpoint, TensorRef, open_checkpoint
 PREFIX = "base_model.model."
 ENGINES = {
     "torch": "torch fp32 on the CPU, PEFT's bits",
-    "numpy": "numpy fp32: within one unit in the last place of PEFT's bits, not bit for bit",
+    "numpy": "numpy fp32: not bit for bit, a few values may differ from PEFT's in their last bits",
 }
 _PART = re.compile(
     r"(?P<module>.+?)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|base_layer)"
@@ -79,7 +79,7 @@ def merge_lora(
     adapter_model.safetensors) merged in. ``safe_merge`` is PEFT's: the delta rounded to the
     base dtype before the add, and a non-finite result an error. ``any_base`` skips the check
     that the adapter's ``base_model_name_or_path`` names this base. ``engine="numpy"`` computes
-    without torch, within one unit in the last place of PEFT's bits (streamck.writer.merge_np).
+    without torch, not bit for bit (streamck.writer.merge_np).
     Raises PlanError."""
     adapter = Path(adapter)
     config = read_config(adapter)
