@@ -5,6 +5,9 @@
     python bench/run.py index
     python bench/run.py dcp --size 2GiB      # torch DCP (sharded safetensors, .distcp) -> one file
     python bench/run.py zero --size 1GiB     # DeepSpeed ZeRO-3 checkpoint-N -> safetensors
+    python bench/run.py fsdp --size 2GiB     # Trainer + FSDP2 checkpoint-N -> safetensors
+    python bench/run.py clone                # on a reflink XFS loop image (root), 2 and 16 GiB
+    python bench/run.py titan megatron       # torchtitan / Megatron checkpoints -> Hugging Face (156 MiB models)
     python bench/run.py lora --size 1GiB     # --merge-lora vs PEFT's merge_and_unload (needs peft)
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
@@ -33,7 +36,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import PY, contend, cp_fsync, mib, plot, precompile, run_child, streamck, table  # noqa: E402
+from loopfs import reflink_mount, used  # noqa: E402
+from measure import PY, Runs, contend, cp_fsync, mib, plot, precompile, recache, run_child, streamck, table  # noqa: E402
 from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards  # noqa: E402
 
 from streamck.writer import parse_size  # noqa: E402
@@ -371,6 +375,36 @@ def case_dcp(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_dcpview(a: argparse.Namespace, tmp: Path) -> str:
+    """A DCP save whose blob is a transposed view (--embed bytes): gathered as a .pt view is."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    side = int((parse_size(a.embed) // 4) ** 0.5)
+    src = tmp / "dcp"
+    with warnings.catch_warnings():  # no_dist: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        state = {"w": torch.empty(side, side).normal_().t()}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(src)), no_dist=True)
+    os.sync()
+    data = _dir_bytes(src)
+    consolidate = str(HERE / "dcp_consolidate.py")
+    contenders = {
+        "cp -r + sync": cp_fsync(src),
+        "torch dcp_to_torch_save": lambda o: [PY, consolidate, "distcp", str(src), str(o)],
+        "streamck rewrite": lambda o: streamck("rewrite", str(src), "-o", str(o), "-q"),
+    }
+    runs = contend(contenders, tmp / "out.safetensors", a.reps, a.settle, (src,))
+    return (
+        f"Source: `dcp.save` of a {side}×{side} F32 matrix saved transposed ({data / 2**30:.2f} GiB .distcp, "
+        f"strides (1, {side})); each output row takes one element of every source row. {a.reps} interleaved "
+        f"reps, {a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync", data)
+    )
+
+
 HUB_DIR = Path(os.environ.get("BENCH_PYDEPS", Path.home() / ".cache" / "streamck-bench" / "pydeps"))
 HUB_INSTALL = f"{PY} -m pip install --no-deps --target {HUB_DIR} huggingface_hub"
 
@@ -435,6 +469,82 @@ def case_zero(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(HERE.parent / ".venv" / "megatron-core-0.19.2"))
+
+
+def _with_path(extra: str, cmd: list[str]) -> list[str]:
+    """``cmd`` with ``extra`` put before PYTHONPATH (a trainer installed outside the venv)."""
+    path = os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH", "")) if p)
+    return ["env", f"PYTHONPATH={path}", *cmd]
+
+
+def _trainer_run(what: str, root: Path, params: int, extra: str = "") -> tuple:
+    """A bench checkpoint written by the trainer's own code (bench/trainer_ckpt.py); its dims."""
+    cmd = _with_path(extra, [PY, str(HERE / "trainer_ckpt.py"), what, str(root), str(params)])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{what} checkpoint failed:\n{done.stderr[-4000:]}")
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _params(size: str) -> int:
+    return parse_size(size) // 4  # F32
+
+
+@case
+def case_titan(a: argparse.Namespace, tmp: Path) -> str:
+    """torchtitan 0.3.0 step (FSDP2, 2 gloo ranks) -> Hugging Face: convert_to_hf.py's route vs --plan."""
+    dims = _trainer_run("titan", tmp / "run", _params(a.size))
+    step, config = tmp / "run" / "bench" / "checkpoint" / "step-1", tmp / "run" / "bench" / "config.json"
+    data = _dir_bytes(step)
+    ckpt = str(HERE / "trainer_ckpt.py")
+    contenders = {
+        "cp -r + sync (step-1)": cp_fsync(step),
+        "torchtitan convert_to_hf.py route": lambda o: [PY, ckpt, "convert_to_hf", str(step), json.dumps(dims), str(o)],
+        "streamck --plan torchtitan-llama3": lambda o: streamck(
+            "rewrite", str(step), "-o", str(o), "--plan", "torchtitan-llama3", "--hf-config", str(config), "-q"
+        ),
+    }
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (step,))
+    _, dim, nh, nkv, hd, hidden, layers, vocab, _ = dims
+    model = 4 * (2 * vocab * dim + layers * (2 * dim * nh * hd + 2 * dim * nkv * hd + 3 * dim * hidden + 2 * dim) + dim)
+    return (
+        f"Checkpoint: a Llama 3 ({layers} layers, dim {dim}, {nh} heads / {nkv} KV heads, FFN {hidden}, vocab "
+        f"{vocab}; F32 weights {model / 2**20:.0f} MiB) trained one AdamW step and saved by torchtitan 0.3.0's "
+        f"CheckpointManager (FSDP2, 2 gloo ranks): `step-1` {data / 2**20:.0f} MiB with the optimizer state. "
+        f"Output: the Hugging Face model (q/k rows RoPE-reordered). {a.reps} interleaved reps, {a.settle:.0f} s "
+        "settle.\n\n" + table(runs, "cp -r + sync (step-1)", data)
+    )
+
+
+@case
+def case_megatron(a: argparse.Namespace, tmp: Path) -> str:
+    """megatron-core 0.19.2 torch_dist (GPTModel, TP=2) -> Hugging Face: load the whole model vs --plan."""
+    dims = _trainer_run("megatron", tmp / "run", _params(a.size), MEGATRON)
+    run = tmp / "run" / "bench"
+    step = run / "iter_0000010"
+    data = _dir_bytes(step)
+    ckpt = str(HERE / "trainer_ckpt.py")
+    contenders = {
+        "cp -r + sync (iter_0000010)": cp_fsync(step),
+        "load whole model, split, save (Bridge route)": lambda o: _with_path(
+            MEGATRON, [PY, ckpt, "megatron_load", str(run), json.dumps(dims), str(o)]
+        ),
+        "streamck --plan megatron-gpt": lambda o: streamck(
+            "rewrite", str(run), "-o", str(o), "--plan", "megatron-gpt", "-q"
+        ),
+    }
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (step,))
+    layers, dim, nh, nkv, _, hidden, vocab, padded, *_ = dims
+    return (
+        f"Checkpoint: a GPTModel ({layers} layers, hidden {dim}, {nh} heads / {nkv} query groups, FFN {hidden}, "
+        f"vocab {vocab} padded to {padded}; F32) saved by megatron-core 0.19.2's `dist_checkpointing.save` "
+        f"(torch_dist, TP=2 on 2 gloo ranks): `iter_0000010` {data / 2**20:.0f} MiB. Output: the Hugging Face "
+        f"model (qkv split per group, gate/up split, vocab trimmed). {a.reps} interleaved reps, "
+        f"{a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync (iter_0000010)", data)
+    )
+
+
 def _rewrite_jobs(src: Path, jobs: int, extra: list[str]) -> Callable[[Path], list[str]]:
     # --jobs writes output shards at once: the output is split into 8 of them.
     shard = str(sum(p.stat().st_size for p in src.glob("*.safetensors")) // 8)
@@ -466,6 +576,101 @@ def case_jobs(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_fsdp(a: argparse.Namespace, tmp: Path) -> str:
+    """Trainer + FSDP2 checkpoint-N (SHARDED_STATE_DICT, 2 ranks) -> safetensors: merge-weights vs streamck."""
+    from fsdp_ckpt import make_fsdp
+
+    size = parse_size(a.size)
+    ck, small = make_fsdp(tmp / "big", size), make_fsdp(tmp / "small", size // 4)
+    model = ck / "pytorch_model_fsdp_0"
+    data = _dir_bytes(model)
+    merge = str(Path(PY).with_name("accelerate"))
+    contenders = {
+        "cp -r + sync (pytorch_model_fsdp_0)": cp_fsync(model),
+        # merge_fsdp_weights: loads the whole state dict, then saves it; fsync as the others do
+        "accelerate merge-weights": lambda o: ["sh", "-c", f'"{merge}" merge-weights "{model}" "{o}" && sync "{o}"/*'],
+        "streamck rewrite checkpoint-N": lambda o: streamck("rewrite", str(ck), "-o", str(o), "-q"),
+        "accelerate merge-weights --help (its start-up alone)": lambda o: [merge, "merge-weights", "--help"],
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle, (model,))
+    # The figures count only if both wrote the same tensors, bit for bit.
+    for label, o in (("accelerate merge-weights", tmp / "m"), ("streamck rewrite checkpoint-N", tmp / "s")):
+        subprocess.run(contenders[label](o), check=True, capture_output=True)
+    subprocess.run(streamck("diff", str(tmp / "m"), str(tmp / "s"), "--data"), check=True, capture_output=True)
+    _, s_small = run_child(streamck("rewrite", str(small), "-o", str(out), "-q"), a.settle)
+    shutil.rmtree(out)
+    return (
+        f"Checkpoint: `checkpoint-1/pytorch_model_fsdp_0/` as accelerate's `save_fsdp_model` writes it "
+        f'(DCP of {{"model": get_model_state_dict(...)}}) from a Llama sharded by FSDP2 `fully_shard` '
+        f"on 2 gloo ranks, F32, {data / 2**30:.2f} GiB in 2 .distcp files (bench/fsdp_ckpt.py). Output: a "
+        "directory with model.safetensors, the same tensors bit for bit from both tools (`streamck diff --data`). "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "cp -r + sync (pytorch_model_fsdp_0)", data)
+        + f"\n\nstreamck peak RSS as the checkpoint grows: {mib(s_small)} at "
+        f"{_dir_bytes(small / 'pytorch_model_fsdp_0') / 2**30:.2f} GiB "
+        f"vs {mib(runs['streamck rewrite checkpoint-N'].peak)} at {data / 2**30:.2f} GiB."
+        + chart(a, runs, "fsdp", f"merging a {data / 2**30:.1f} GiB FSDP checkpoint: RSS over time")
+    )
+
+
+def _mib2(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _clone_size(a: argparse.Namespace, tmp: Path, size: int) -> str:
+    """One size of the clone case: the checkpoint and every contender on one XFS image."""
+    embed = min(parse_size(a.embed), size // 4)
+    with reflink_mount(tmp, 2 * size + (1 << 30)) as mnt:
+        src, out = make_checkpoint(mnt / "src", size, embed), mnt / "out"
+        data = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        shards = len(list(src.glob("*.safetensors")))
+        cp = 'cp -r --reflink={} "{}" "{}" && sync "{}"/*'
+        contenders = {
+            "cp -r --reflink=never + sync": lambda o: ["sh", "-c", cp.format("never", src, o, o)],
+            "cp -r --reflink=always + sync": lambda o: ["sh", "-c", cp.format("always", src, o, o)],
+            "streamck --keep-shards": lambda o: streamck(
+                "rewrite", str(src), "-o", str(o), "--strip-prefix", "model.", "--keep-shards", "-q"
+            ),
+        }
+        recache(src)
+        runs = {label: Runs(label) for label in contenders}
+        new: dict[str, list[int]] = {label: [] for label in contenders}
+        for rep in range(a.reps):
+            for label, make in contenders.items():
+                time.sleep(a.settle)
+                before = used(mnt)  # settled: the last output's blocks are free again
+                wall, rss = run_child(make(out), 0)
+                new[label].append(used(mnt) - before)
+                runs[label].walls.append(wall)
+                runs[label].rss.append(rss)
+                line = f"  rep {rep + 1}/{a.reps} {label:<30} {wall:6.2f} s {_mib2(new[label][-1])} new"
+                print(line, file=sys.stderr)
+                shutil.rmtree(out)
+    rows = ["| contender | new blocks (median) | runs |", "|---|---|---|"]
+    rows += [f"| {k} | {_mib2(statistics.median(v))} | {', '.join(map(_mib2, v))} |" for k, v in new.items()]
+    return (
+        f"### {data / 2**30:.2f} GiB in {shards} shards\n\n"
+        + table(runs, "cp -r --reflink=never + sync", data)
+        + "\n\nNew blocks on the filesystem (statvfs before and after each run, settled, nothing removed between):\n\n"
+        + "\n".join(rows)
+    )
+
+
+@case
+def case_clone(a: argparse.Namespace, tmp: Path) -> str:
+    """Prefix strip on a reflink XFS loop image: streamck --keep-shards vs cp --reflink=never/always."""
+    sizes = [parse_size(s) for s in a.size.split(",")]
+    parts = []
+    for i, size in enumerate(sizes):
+        (tmp / str(i)).mkdir()
+        parts.append(_clone_size(a, tmp / str(i), size))
+    return (
+        f"XFS (`mkfs.xfs -m reflink=1`) on a loop device over a sparse image; kernel {os.uname().release}. "
+        f"F32 checkpoints, largest tensor {a.embed}, `--strip-prefix model.`; walls include interpreter start. "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + "\n\n".join(parts)
+    )
 def _lora_inputs(tmp: Path, size: int, kinds: tuple[str, ...] = ("lora", "dora")) -> tuple[Path, ...]:
     """A bf16 Llama base of ``size`` bytes and PEFT adapters on every linear (LoRA, DoRA; r=16)."""
     make = [PY, str(HERE / "lora_ckpt.py")]
@@ -563,6 +768,15 @@ def record(name: str, text: str) -> None:
     path.write_text(doc)
 
 
+DEFAULT_SIZE = {
+    "dcp": "2GiB",
+    "zero": "1GiB",
+    "jobs": "2GiB",
+    "fsdp": "2GiB",
+    "clone": "2GiB,16GiB",
+    "titan": "156MiB",
+    "megatron": "156MiB",
+}
 DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "lora": "1GiB"}
 
 

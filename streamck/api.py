@@ -15,7 +15,17 @@ from typing import Any
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
 from streamck.errors import UsageError
-from streamck.plan import AUX_LAYER_PLANS, BUILTIN_PLANS, VERIFIER_PLANS, Plan, Rule, Rules, compile_plan, load_rules
+from streamck.plan import (
+    AUX_LAYER_PLANS,
+    BUILTIN_PLANS,
+    HF_CONFIG_PLANS,
+    VERIFIER_PLANS,
+    Plan,
+    Rule,
+    Rules,
+    compile_plan,
+    load_rules,
+)
 from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint, open_checkpoint
 from streamck.source.layout import pick_step
@@ -45,6 +55,7 @@ def build_plan(
     copy_files: bool = True,
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
+    hf_config: str | os.PathLike | None = None,
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
     lora_any_base: bool = False,
@@ -68,7 +79,7 @@ def build_plan(
         if isinstance(source, Checkpoint):
             raise UsageError(f"plan {plan!r} opens its own source: pass a path, not a Checkpoint")
         if key is not None or zero or keep_tied:
-            raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {plan}, which reads safetensors")
+            raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {plan}, which opens its own source")
         path = pick_step(Path(source), step) if step is not None else source
         extra = {"verifier": verifier} if verifier is not None else {}
         if extra and os.fspath(plan) not in VERIFIER_PLANS:
@@ -77,11 +88,17 @@ def build_plan(
             if os.fspath(plan) not in AUX_LAYER_PLANS:
                 raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
             extra["aux_layer_ids"] = aux_layer_ids
+        if hf_config is not None:
+            if os.fspath(plan) not in HF_CONFIG_PLANS:
+                raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
+            extra["hf_config"] = hf_config
         return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
     if verifier is not None:
         raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
     if aux_layer_ids is not None:
         raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
+    if hf_config is not None:
+        raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
     if merge_lora is None:
@@ -128,6 +145,7 @@ def rewrite(
     format: str | None = None,
     jobs: int = 1,
     part: tuple[int, int] | str | None = None,
+    keep_shards: bool = False,
     header_align: int = 8,
     force: bool = False,
     verify: bool = False,
@@ -135,6 +153,7 @@ def rewrite(
     drop_cache: bool = False,
     verifier: str | None = None,
     aux_layer_ids: Sequence[int] | str | None = None,
+    hf_config: str | os.PathLike | None = None,
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
     lora_any_base: bool = False,
@@ -148,11 +167,16 @@ def rewrite(
     maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
     size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
     ``.pth`` output name does too); ``key``/``zero``/``keep_tied`` choose what a torch
-    pickle or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the
+    pickle, a DCP checkpoint (``key="model"``: the weights of a model + optimizer save)
+    or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the
     target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
     (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
-    an ``eagle3`` plan's step records; ``jobs`` writes that many shards at
-    once; ``part="K/N"`` writes only part K of N of the shards (see streamck.writer.parts).
+    an ``eagle3`` plan's step records; ``hf_config`` is the Hugging Face config.json giving
+    a trainer plan's model sizes (``plan="torchtitan-llama3"``, ``"megatron-gpt"``); ``jobs``
+    writes that many shards at once; ``part="K/N"`` writes only part K of N of the shards
+    (see streamck.writer.parts); ``keep_shards`` writes one file per source file, tensors in
+    the source's order, so that where the filesystem can share blocks (XFS reflink, btrfs) a
+    rename shares them all (``result.shared`` bytes; see streamck.writer.clone).
     Memory stays near one chunk (per job).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
@@ -178,6 +202,7 @@ def rewrite(
         copy_files=copy_files,
         verifier=verifier,
         aux_layer_ids=aux_layer_ids,
+        hf_config=hf_config,
         merge_lora=merge_lora,
         safe_merge=safe_merge,
         lora_any_base=lora_any_base,
@@ -196,6 +221,7 @@ def rewrite(
         format=format,
         jobs=jobs,
         part=parse_part(part) if isinstance(part, str) else part,
+        keep_shards=keep_shards,
     )
 
 
@@ -221,9 +247,20 @@ def ls(
     return checkpoint_manifest(_checkpoint(source, step, key, zero, keep_tied))
 
 
-def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = (), data: bool = False) -> DiffResult:
+def diff(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    *,
+    ignore: Iterable[str] = (),
+    data: bool = False,
+    key: str | None = None,
+    zero: bool | tuple[bool, bool] = False,
+    keep_tied: bool = False,
+) -> DiffResult:
     """Compare two checkpoints or manifests (``streamck diff``); ``bool(result)`` is True
-    when they differ and ``str(result)`` is the report.
+    when they differ and ``str(result)`` is the report. ``key`` and ``keep_tied`` apply to
+    both sides, as open_checkpoint takes them; ``zero`` too, or per side as ``(a, b)``
+    (a ZeRO step against the model exported from it).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -234,7 +271,12 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, ignore: Iterable[str] = 
     >>> [x.differing for x in streamck.diff(f"{d}/a.safetensors", f"{d}/b.safetensors", data=True).data]
     [2]
     """
-    return _diff(a, b, ignore=tuple(ignore), data=data)
+    from streamck.check.diff import load_side
+
+    zero_a, zero_b = zero if isinstance(zero, tuple) else (zero, zero)
+    sa = load_side(a, key=key, zero=zero_a, keep_tied=keep_tied)
+    sb = load_side(b, key=key, zero=zero_b, keep_tied=keep_tied)
+    return _diff(sa, sb, ignore=tuple(ignore), data=data)
 
 
 def hash(

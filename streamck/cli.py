@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamck import __version__, manifest
-from streamck.errors import StreamckError, UsageError
+from streamck.errors import Info, StreamckError, UsageError
 from streamck.source import open_checkpoint
 
 if TYPE_CHECKING:
@@ -56,10 +56,12 @@ def _device(text: str) -> str:
     return text
 
 
-def _note(ckpt: Checkpoint) -> Checkpoint:
-    """Print a checkpoint's notices (items skipped as not tensors, a key or source chosen)."""
+def _note(ckpt: Checkpoint, quiet: bool = False) -> Checkpoint:
+    """Print a checkpoint's notices (items skipped as not tensors, a key or source chosen);
+    ``quiet`` keeps those that ask for action (not Info)."""
     for line in ckpt.notices:
-        print(f"streamck: note: {line}", file=sys.stderr)
+        if not (quiet and isinstance(line, Info)):
+            print(f"streamck: note: {line}", file=sys.stderr)
     return ckpt
 
 
@@ -111,13 +113,14 @@ def _compile(args: argparse.Namespace):
         copy_files=not args.no_copy_files,
         verifier=args.verifier,
         aux_layer_ids=args.aux_layer_ids,
+        hf_config=args.hf_config,
         merge_lora=args.merge_lora,
         safe_merge=args.safe_merge,
         lora_any_base=args.merge_lora_any_base,
         merge_engine=args.merge_engine,
     )
     if plan.source is not None:
-        _note(plan.source)
+        _note(plan.source, getattr(args, "quiet", False))
     for line in plan.notices:
         print(f"streamck: note: {line}", file=sys.stderr)
     return plan
@@ -150,6 +153,11 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     part = parse_part(args.part) if args.part else None
     plan = _compile(args)
     if args.dry_run:
+        from streamck.writer.engine import file_format
+        from streamck.writer.torchsave import refuse_unsaveable
+
+        if "torch" in (args.format, args.output and args.output != "-" and file_format(Path(args.output))):
+            refuse_unsaveable(plan.tensors)  # as writing would
         if args.json:
             sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
         else:
@@ -168,6 +176,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         format=args.format,
         jobs=args.jobs,
         part=part,
+        keep_shards=args.keep_shards,
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
@@ -177,10 +186,14 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
             "overflow": dict(sorted(result.overflow.items())),
             "tensors": len(plan.tensors),
             "total_size": result.total_size,
+            "shared_bytes": result.shared,
+            "copied_bytes": result.copied,
         }
         print(json.dumps(report, indent=2, sort_keys=True))
     elif not args.quiet:
-        print(f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}", file=sys.stderr)
+        wrote = f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}"
+        moved = f"{human(result.shared)} shared with the source, {human(result.copied)} copied"
+        print(f"{wrote} ({moved})", file=sys.stderr)
     return 0
 
 
@@ -223,7 +236,11 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None:
     if not diff:
         parser.add_argument("--step", help="in a training run root: a step number, or latest")
-    parser.add_argument("--key", help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict)")
+    parser.add_argument(
+        "--key",
+        help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict); "
+        "in a DCP checkpoint: only the items under this prefix (model, app.model), the prefix taken off",
+    )
     zero = "read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
     parser.add_argument("--zero", action="store_true", help=zero + (" (both sides)" if diff else ""))
     if diff:
@@ -283,7 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
     rules.add_argument(
         "--plan",
-        help="a built-in plan (eagle4, eagle3, eagle3-speculators) or a TOML plan file (its rules come first)",
+        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan-llama3, megatron-gpt) or a TOML "
+        "plan file (its rules come first)",
+    )
+    rules.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="with --plan torchtitan-llama3 or megatron-gpt: the model's Hugging Face config.json (its sizes; "
+        "written beside the weights), over a config.json beside the step",
     )
     rules.add_argument(
         "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
@@ -318,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a file output's name decides (.safetensors, or .bin/.pt/.pth)",
     )
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
+    rw.add_argument(
+        "--keep-shards",
+        action="store_true",
+        help="one output file per source file, tensors in the source's order (shared, not copied, on XFS/btrfs)",
+    )
     rw.add_argument("--drop-cache", action="store_true", help="release read and written pages from the page cache")
     rw.add_argument(
         "--device", type=_device, default=None, metavar="cpu|cuda[:N]", help="where casts run (default cpu)"

@@ -38,3 +38,7 @@ class UsageError(StreamckError):
 
 class DeviceError(StreamckError):
     """The device asked to cast on is missing, out of memory, or failed."""
+
+
+class Info(str):
+    """A notice that needs no action (non-tensor items skipped): ``rewrite -q`` leaves it out."""

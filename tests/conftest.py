@@ -34,3 +34,12 @@ def trainer_cases(request, tmp_path_factory) -> dict[str, dict]:
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir("streamck-trainer")) if cache is not None else tmp_path_factory.mktemp("trainer")
     return trainer_fixtures.make_trainer_checkpoints(root)
+
+
+@pytest.fixture(scope="session")
+def dcp_trainers(tmp_path_factory) -> dict[str, Path]:
+    """DCP checkpoints as trainers write them (FSDP2, TP, HSDP, DDP, per-rank metadata…),
+    written once per session by torch on 4 gloo ranks (tests/dcp_trainers.py)."""
+    from dcp_trainers import make_trainer_checkpoints
+
+    return make_trainer_checkpoints(tmp_path_factory.mktemp("dcp_trainers"))

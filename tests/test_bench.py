@@ -15,6 +15,7 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         "lsdiff",
         "eagle4",
         "view",
+        "dcpview",
         "--size",
         "8MiB",
         "--embed",
@@ -38,7 +39,7 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         env={**os.environ, "BENCH_DIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for case in ("rewrite", "index", "lsdiff", "eagle4", "view"):
+    for case in ("rewrite", "index", "lsdiff", "eagle4", "view", "dcpview"):
         assert f"## {case}" in proc.stdout
     assert "| streamck rewrite |" in proc.stdout and "torch not imported" in proc.stdout
 
@@ -57,3 +58,13 @@ def test_bench_dcp_and_zero_cases_run_at_toy_sizes(tmp_path):
     assert "| torch consolidate_safetensors_files |" in dcp and "| torch dcp_to_torch_save (.distcp) |" in dcp
     assert "| streamck rewrite (sharded safetensors) |" in dcp and "| streamck rewrite (.distcp) |" in dcp
     assert "| cp -r + sync (global_step1) |" in zero and "| streamck rewrite |" in zero
+
+
+def test_bench_fsdp_case_runs_at_toy_size(tmp_path):
+    """A Trainer + FSDP2 checkpoint-N (2 gloo ranks), toy size: accelerate merge-weights and
+    streamck write the same tensors (the case checks that itself)."""
+    args = ["fsdp", "--size", "8MiB", "--reps", "1", "--settle", "0", "--no-record"]
+    env = {**os.environ, "BENCH_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| accelerate merge-weights |" in proc.stdout and "| streamck rewrite checkpoint-N |" in proc.stdout

@@ -153,6 +153,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
                 "3",
                 "--part",
                 "2/5",
+                "--keep-shards",
                 "-q",
             ]
         )
@@ -168,6 +169,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         "format": "torch",
         "jobs": 3,
         "part": (2, 5),
+        "keep_shards": True,
     }
 
 

@@ -143,3 +143,30 @@ def test_a_crash_while_replacing_leaves_no_index_over_old_shards(src, tmp_path, 
     with pytest.raises(OutputError):
         streamck.rewrite(src, out, max_shard_size="4KB", dtype="bf16", force=True)
     assert not (out / "model.safetensors.index.json").exists()  # shards without an index: refused, never mixed
+
+
+def test_parts_on_hosts_that_pad_differently_still_write_every_shard(src, tmp_path, monkeypatch):
+    """A host whose filesystem clones pads headers (writer.clone.line_up), one that does not
+    leaves them: the shards each part owns must not depend on that, or a shard is written
+    twice or by nobody."""
+    from dataclasses import replace
+
+    from streamck.writer import engine
+    from streamck.writer.layout import pad_header
+
+    one = streamck.rewrite(src, tmp_path / "one", max_shard_size="4KB")
+    names = sorted(p.name for p in one.files if p.name.endswith(".safetensors"))
+    plain = engine.line_up
+
+    def padded_last(shard, sharing, align):  # as if the last shard shared a long run
+        if shard.filename != names[-1]:
+            return plain(shard, sharing, align)
+        return replace(shard, header=pad_header(shard.header, len(shard.header) + (1 << 20)))
+
+    for k in (1, 2, 3):
+        with monkeypatch.context() as m:
+            if k == 1:
+                m.setattr(engine, "line_up", padded_last)
+            streamck.rewrite(src, tmp_path / "parts", max_shard_size="4KB", part=(k, 3))
+    got = sorted(p.name for p in (tmp_path / "parts").iterdir() if p.name.endswith(".safetensors"))
+    assert got == names

@@ -19,6 +19,7 @@ import trainer_fixtures
 from helpers import cli
 from safetensors.torch import load_file
 
+import streamck
 from streamck import open_checkpoint
 
 CASES = [c["name"] for c in trainer_fixtures.cases()]
@@ -193,6 +194,11 @@ def test_tied_head_is_written_as_save_pretrained_writes_it(trainer_cases, tmp_pa
     config = json.loads((ck / "config.json").read_text())
     (ck / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     assert "lm_head.weight" in open_checkpoint(ck).tensors
+    # a multimodal config says it in text_config (Llava, Gemma 3): left out again
+    (ck / "config.json").write_text(json.dumps({"text_config": {**config, "tie_word_embeddings": True}}))
+    assert "lm_head.weight" not in open_checkpoint(ck).tensors
+    # the folder written above holds no tied names: --keep-tied has nothing to keep, and says so
+    assert any("--keep-tied does nothing here" in n for n in open_checkpoint(tmp_path / "hf", keep_tied=True).notices)
 
 
 def test_diff_zero_per_side_compares_gathered_weights_with_the_masters(trainer_cases, tmp_path):
@@ -204,6 +210,8 @@ def test_diff_zero_per_side_compares_gathered_weights_with_the_masters(trainer_c
     r = cli("rewrite", ck, "--zero", "-o", tmp_path / "hf", "-q")
     assert r.returncode == 0, r.stderr
     assert cli("diff", tmp_path / "hf", ck, "--zero-b", "--data").returncode == 0
+    assert streamck.diff(tmp_path / "hf", ck, zero=(False, True), data=True).equal  # the library, per side
+    assert not streamck.diff(ck, ck, zero=(False, True)).equal
     r = cli("diff", "--zero", tmp_path / "hf", ck)  # both sides: the plain folder has none
     assert r.returncode == 2 and "no DeepSpeed ZeRO state" in r.stderr
 

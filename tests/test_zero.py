@@ -128,11 +128,13 @@ def test_notices_for_a_param_of_no_elements_and_an_f64_buffer(odd_steps):
 
 
 def test_lightning_client_state_is_inert_data(odd_steps, tmp_path):
-    pytest.importorskip("lightning", reason="lightning (installed by scripts/test) makes this fixture")
+    for needed in ("lightning", "omegaconf"):
+        pytest.importorskip(needed, reason=f"{needed} (installed by scripts/test) makes this fixture")
     ckpt = odd_steps["lightning"]
     r = cli("rewrite", ckpt, "-o", tmp_path / "out.safetensors")
     assert r.returncode == 0, r.stderr
     assert "client state objects argparse.Namespace, lightning.fabric.utilities.data.AttributeDict" in r.stderr
     assert "read as inert data, never run" in r.stderr
+    assert "omegaconf.dictconfig.DictConfig" in r.stderr  # Hydra's config in the hyperparameters
     assert sorted(load_file(tmp_path / "out.safetensors")) == ["empty", "f64", "lin.bias", "lin.weight"]
     assert open_checkpoint(ckpt).root == ckpt / "checkpoint"  # the tag Lightning saves under

@@ -236,6 +236,20 @@ def test_pickle_with_code_refused(zero_cases, tmp_path):
     _refused(step, "refusing to load", "system")
 
 
+class _Huge:
+    def __reduce__(self):
+        return bytes, (1 << 40,)  # a TiB, if the call were made
+
+
+def test_plain_types_in_client_state_are_never_called(zero_cases, tmp_path):
+    """OmegaConf names plain types (``object_type``); the pickle gets stand-ins, so no call
+    to them can allocate (a real ``bytes`` would try for a TiB here)."""
+    step = _copy(zero_cases, "z2_w2_fp32", tmp_path)
+    _rewrite(step / "mp_rank_00_model_states.pt", lambda sd: sd.update(huge=_Huge(), kind=dict))
+    entries, _, _ = read_zero(step)
+    assert entries
+
+
 def test_find_zero(zero_cases, tmp_path):
     case = zero_cases["z3_w2_bf16"]
     assert find_zero(case["checkpoint"]) == case["step_dir"]

@@ -256,6 +256,7 @@ def _odd_worker(rank: int, port: int, base: str) -> None:
     try:
         import lightning
         from lightning.fabric.utilities.data import AttributeDict
+        from omegaconf import OmegaConf
     except ImportError:  # scripts/test installs it; the test that needs it says so
         return
 
@@ -269,6 +270,8 @@ def _odd_worker(rank: int, port: int, base: str) -> None:
         "hparams_name": "kwargs",
         "hyper_parameters": {"lr": 0.1, "args": argparse.Namespace(layers=2), "extra": AttributeDict(seed=7)},
     }
+    # a Hydra run's save_hyperparameters(cfg) keeps its DictConfig as it is
+    client["hyper_parameters"]["cfg"] = OmegaConf.create({"model": {"layers": 2}, "tags": ["a"], "lr": 0.1})
     engine.save_checkpoint(f"{base}/epoch=0-step=1.ckpt", client_state=client, tag="checkpoint")
 
 

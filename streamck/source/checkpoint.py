@@ -13,6 +13,7 @@ from pathlib import Path
 
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError, listing
+from streamck.source import fsdp
 from streamck.source.crosscheck import cross_check, side_object
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.layout import Layout, find_layout, pick_step
@@ -119,7 +120,9 @@ def open_checkpoint(
     a step directory whose weights are in ``model/consolidated``, or, with ``step``
     (a number or ``"latest"``), a run root of ``checkpoint-<step>`` folders.
     In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
-    ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip).
+    ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip),
+    and in a DCP checkpoint only the items under that dotted prefix (``model``,
+    ``app.model``), the prefix taken off (see streamck.source.dcp.select).
     DCP checkpoints (sharded safetensors, ``.distcp``), Automodel steps and DeepSpeed
     ZeRO checkpoints (``checkpoint-N/``, ``global_stepN/``) are consolidated on the fly.
     Where a weights file and ZeRO state are both there, the weights are read unless
@@ -172,15 +175,17 @@ def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
     return read_header(path)
 
 
-def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
-    """A DCP checkpoint: each tensor's chunks, one per rank file, as tiles."""
+def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoint:
+    """A DCP checkpoint: each tensor's chunks as tiles; with ``key``, the items under it."""
     from streamck.source import dcp, distcp
 
     files = {shard: FileStamp.of(shard) for shard in layout.shards}  # before reading: changes show
-    if layout.kind == "distcp":
-        entries, notices = distcp.read_distcp(layout.root)
+    if layout.kind == "fsdp":
+        entries, notices = fsdp.read_fsdp(layout.root)
+    elif layout.kind == "distcp":
+        entries, notices = distcp.read_distcp(layout.root, key)
     else:
-        entries, notices = dcp.read_sharded_safetensors(layout.shards)
+        entries, notices = dcp.read_sharded_safetensors(layout.shards, key)
     tensors, paths = _tiled(entries, layout.root)
     files |= {p: FileStamp.of(p) for p in paths if p not in files}
     cross_check(layout.side_root or layout.root, tensors)
@@ -190,20 +195,27 @@ def _index_distributed(path: Path, layout: Layout) -> Checkpoint:
 def _tiled(entries: dict, root: Path) -> tuple[dict[str, TensorRef], list[Path]]:
     """References of tensors read as tiles (DCP chunks, ZeRO fragments), and every file
     their tiles lie in."""
-    tensors = {
-        e.name: TensorRef(
-            e.name,
-            e.dtype,
-            e.shape,
-            e.tiles[0].path if e.tiles else root,
-            0,
-            nbytes(e.dtype, math.prod(e.shape)),
-            None,
-            e.tiles,
-        )
-        for e in entries.values()
-    }
+    tensors = {e.name: _tiled_ref(e, root) for e in entries.values()}
     return tensors, list(dict.fromkeys(t.path for e in entries.values() for t in e.tiles))
+
+
+def _tiled_ref(e, root: Path) -> TensorRef:
+    """A tiled entry's reference; a DCP tensor saved whole as a strided view is a view,
+    gathered as a ``.pt`` file's views are."""
+    size = nbytes(e.dtype, math.prod(e.shape))
+    strides = getattr(e, "strides", None)  # ZeRO's entries have none
+    if strides is not None:
+        return TensorRef(e.name, e.dtype, e.shape, e.tiles[0].path, e.tiles[0].start, e.tiles[0].start + size, strides)
+    return TensorRef(e.name, e.dtype, e.shape, e.tiles[0].path if e.tiles else root, 0, size, None, e.tiles)
+
+
+def _not_empty(ckpt: Checkpoint, what: str) -> Checkpoint:
+    """A training-format source (DCP, Automodel, ZeRO) that yields no tensor is an error, never an
+    empty output: its notices say why (non-tensor items only, flatten_state_dict=False)."""
+    if not ckpt.tensors:
+        why = "; ".join(ckpt.notices)
+        raise CheckpointError(f"no tensors in this {what} checkpoint" + (f" ({why})" if why else ""), ckpt.root)
+    return ckpt
 
 
 _name = itemgetter(0)  # TensorRef.name, at C speed
@@ -212,11 +224,16 @@ _name = itemgetter(0)  # TensorRef.name, at C speed
 def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied: bool = False) -> Checkpoint:
     layout = find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
-        return _untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
+        found = _untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
+        return _not_empty(found, "DeepSpeed ZeRO")
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
+    if layout.kind == "fsdp":
+        if select not in (None, fsdp.MODEL_KEY):
+            raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, 'model'", path)
+        return _untie_fsdp(_not_empty(_index_distributed(path, layout, None), "FSDP"), keep_tied)
     if layout.kind != "files":
-        return _index_distributed(path, layout)
+        return _tied_kept(_not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
@@ -247,10 +264,23 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
         empty = [n for n, t in tensors.items() if not t.numel]
         found = _placeholders(path, layout, tensors, empty, keep_tied) if not tensors or empty else None
         if found is not None:
-            return found
+            return _not_empty(found, "DeepSpeed ZeRO")
         rel = _rel(layout.zero, layout.root)
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
-    return Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+    found = Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
+    if not fsdp.full_alone(layout.shards):
+        return _tied_kept(found, keep_tied)
+    found.notices.extend(fsdp.left_beside(layout.root, fsdp.FULL_FILE))
+    return _untie_fsdp(found, keep_tied)
+
+
+def _tied_kept(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
+    """A source read as saved: --keep-tied has nothing to keep, and the user hears so."""
+    if keep_tied:
+        ckpt.notices.append(
+            "--keep-tied does nothing here: only ZeRO and FSDP state leave tied heads out; read as saved"
+        )
+    return ckpt
 
 
 def _rel(path: Path, root: Path) -> Path:
@@ -334,3 +364,9 @@ def _ties_embeddings(root: Path) -> bool:
     return config.get("tie_word_embeddings") is True or (
         isinstance(text, dict) and text.get("tie_word_embeddings") is True
     )
+
+
+def _untie_fsdp(ckpt: Checkpoint, keep_tied: bool) -> Checkpoint:
+    """An FSDP model (tied heads under both names, config.json maybe missing) as save_pretrained writes it."""
+    ckpt.notices.extend(fsdp.no_config(ckpt.side_root or ckpt.root))
+    return _untie(ckpt, fsdp.head_aliases(ckpt.tensors), keep_tied)

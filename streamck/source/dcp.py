@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from streamck.errors import CheckpointError
+from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import read_header
 from streamck.source.runs import Tile, tiling_error
 from streamck.source.serde import Invalid, no_duplicates
@@ -42,6 +42,7 @@ class Entry(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     tiles: tuple[Tile, ...]  # sorted by offsets
+    strides: tuple[int, ...] | None = None  # one tile, the whole tensor, a strided view (gathered)
 
 
 def _common_dir(paths: list[Path]) -> Path:
@@ -84,12 +85,12 @@ def _shard_indices(paths: list[Path]) -> None:
             raise CheckpointError(f"rank file {names} missing (have shards {sorted(ranks)})", parent)
 
 
-def read_sharded_safetensors(paths: list[Path]) -> tuple[dict[str, Entry], list[str]]:
+def read_sharded_safetensors(paths: list[Path], key: str | None = None) -> tuple[dict[str, Entry], list[str]]:
     """Index DCP-sharded safetensors files (one per rank, every one of them) by tensor.
 
     Returns the entries, in the order their names first appear in the files'
-    ``DCP_SHARDING_INFO`` (the save plan's order), and notices (none for this format:
-    torch's writer cannot store non-tensor items in safetensors).
+    ``DCP_SHARDING_INFO`` (the save plan's order), and notices (the top-level groups; this
+    format holds no non-tensor items). ``key`` reads the tensors under it (see select).
     """
     paths = [p if isinstance(p, Path) else Path(p) for p in paths]
     if not paths:
@@ -97,6 +98,7 @@ def read_sharded_safetensors(paths: list[Path]) -> tuple[dict[str, Entry], list[
     _shard_indices(paths)
     chunks: dict[str, list[tuple[str, Tile]]] = {}
     for path in paths:
+        _pickle_in_front(path)
         header = read_header(path)
         raw = header.metadata.get(SHARDING_KEY)
         if raw is None:
@@ -127,7 +129,10 @@ def read_sharded_safetensors(paths: list[Path]) -> tuple[dict[str, Entry], list[
             chunks.setdefault(name, []).append((ref.dtype, Tile(path, ref.start, offsets, ref.shape)))
     entries: dict[str, Entry] = {}
     where = _common_dir(paths)
+    chosen, notes = select(list(chunks), [], key, where)
     for name, parts in chunks.items():
+        if name not in chosen:
+            continue
         dtype, first = parts[0][0], parts[0][1]
         for d, t in parts[1:]:
             if d != dtype:
@@ -136,8 +141,20 @@ def read_sharded_safetensors(paths: list[Path]) -> tuple[dict[str, Entry], list[
                 )
         tiles = [t for _, t in parts]
         shape = tuple(max(o + s for o, s in zip(*dims, strict=True)) for dims in _per_dim(tiles))
-        entries[name] = _finish(name, dtype, shape, tiles, where)
-    return entries, []
+        entries[chosen[name]] = _finish(name, dtype, shape, tiles, where)._replace(name=chosen[name])
+    return entries, notes
+
+
+def _pickle_in_front(path: Path) -> None:
+    """Refuse a rank file that starts with a torch.save archive: torch's HuggingFaceStorageWriter
+    writes a non-tensor item (a step counter) there, in front of the safetensors bytes."""
+    with open(path, "rb") as f:
+        if f.read(4) == b"PK\x03\x04":
+            raise CheckpointError(
+                "starts with a pickled non-tensor item, not a safetensors header: torch's "
+                "HuggingFaceStorageWriter writes such items in front of the tensors; save only tensors through it",
+                path,
+            )
 
 
 def _per_dim(tiles: list[Tile]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -147,3 +164,83 @@ def _per_dim(tiles: list[Tile]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]
         if len(t.sizes) != rank:
             raise CheckpointError(f"chunks of rank {rank} and {len(t.sizes)} for one tensor", t.path)
     return [(tuple(t.offsets[i] for t in tiles), tuple(t.sizes[i] for t in tiles)) for i in range(rank)]
+
+
+# ---------------------------------------------------------------- top-level groups and --key
+
+# Top-level items a trainer saves beside the weights (get_state_dict's "optimizer",
+# torchtitan's "train_state", "lr_scheduler", "dataloader").
+TRAINING_STATE = frozenset(
+    ("optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler", "train_state", "dataloader")
+)
+
+
+def _groups(names: list[str]) -> str:
+    """The common dotted prefix of ``names`` under which they part ways ("" or "app.")."""
+    prefix = ""
+    while True:
+        heads = {n[len(prefix) :].split(".", 1)[0] for n in names}
+        if len(heads) != 1 or not all(n.startswith(prefix + next(iter(heads)) + ".") for n in names):
+            return prefix
+        prefix += next(iter(heads)) + "."
+
+
+def _counts(tensors: list[str], others: list[str], prefix: str) -> dict[str, list[int]]:
+    counts: dict[str, list[int]] = {}
+    for i, names in enumerate((tensors, others)):
+        for n in names:
+            counts.setdefault(prefix + n[len(prefix) :].split(".", 1)[0], [0, 0])[i] += 1
+    return counts
+
+
+def _shown(counts: dict[str, list[int]]) -> str:
+    def one(group: str, t: int, o: int) -> str:
+        parts = [f"{t} tensor{'s' * (t > 1)}"] if t else []
+        parts += [f"{o} other item{'s' * (o > 1)}"] if o else []
+        return f"{group} {' + '.join(parts)}"
+
+    return ", ".join(one(g, t, o) for g, (t, o) in counts.items())
+
+
+def _weights_flag(counts: dict[str, list[int]]) -> str:
+    """The flag that takes the model weights alone, or "" when the groups do not tell."""
+    state = [g for g in counts if g.rsplit(".", 1)[-1] in TRAINING_STATE]
+    weights = [g for g, (t, _) in counts.items() if t and g not in state]
+    if not state or not weights:
+        return ""
+    if len(weights) == 1:
+        return f"; --key {weights[0]} takes the weights alone"
+    drops = " ".join(f"--drop '{g}.*'" for g in state if counts[g][0])  # torchtitan: model keys at the top
+    return f"; rewrite {drops} leaves the weights" if drops else ""
+
+
+def skipped_notes(names: list[str], prefix: str = "") -> list[str]:
+    """One line per top-level group (under ``prefix``) of skipped non-tensor items, with a
+    count: they need no action."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(prefix + n[len(prefix) :].split(".", 1)[0], []).append(n)
+    return [
+        Info(f"{g}: {len(ns)} non-tensor item{'s' * (len(ns) > 1)} skipped ({listing(ns, 4)})")
+        for g, ns in groups.items()
+    ]
+
+
+def select(tensors: list[str], others: list[str], key: str | None, where: Path) -> tuple[dict[str, str], list[str]]:
+    """Which tensors of a flattened state dict to read, and their names: all of them, or with
+    ``key`` (``model``, ``app.model``) those under ``key.``, that prefix taken off. Also the
+    notices: the top-level groups with their counts when there are several (and the flag
+    that takes the weights alone), and the non-tensor items skipped, folded per group."""
+    prefix = _groups(tensors + others) if tensors or others else ""
+    counts = _counts(tensors, others, prefix)
+    if key is None:  # the groups are said when training state is among them: an action to take
+        state = any(g.rsplit(".", 1)[-1] in TRAINING_STATE for g in counts)
+        notes = [f"top-level groups: {_shown(counts)}{_weights_flag(counts)}"] if state else []
+        return {n: n for n in tensors}, notes + skipped_notes(others, prefix)
+    head = key.rstrip(".") + "."
+    chosen = {n: n[len(head) :] for n in tensors if n.startswith(head)}
+    if not chosen:
+        raise CheckpointError(f"no tensors under key {key!r}; top-level groups: {_shown(counts) or 'none'}", where)
+    left = {g: c for g, c in counts.items() if not (g + ".").startswith(head) and not head.startswith(g + ".")}
+    notes = [Info(f"--key {key}: {len(chosen)} tensors read; left out: {_shown(left)}")] if left else []
+    return chosen, notes + skipped_notes([n for n in others if n.startswith(head)], prefix)

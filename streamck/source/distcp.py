@@ -1,202 +1,40 @@
 """Native torch.distributed.checkpoint (``dcp.save`` + ``FileSystemWriter``), without torch.
 
-``.metadata`` is a pickle of torch's ``Metadata``, read with an allow-list of stand-in
-classes; for each chunk it names a ``(file, offset, length)`` range of a
-``__R_I.distcp`` file that is a whole ``torch.save`` archive of that chunk, whose
-storage record holds the chunk's C-contiguous bytes. Non-tensor items
-(``BytesStorageMetadata``) are skipped with a notice and never unpickled.
+``.metadata`` (streamck.source.distcp_meta) names, for each chunk, a ``(file, offset,
+length)`` range of a ``__R_I.distcp`` file that is a whole ``torch.save`` archive of that
+chunk; a file may hold several chunks of one tensor (torchrec's ``LocalShardsWrapper``,
+megatron-core). A chunk saved as a strided view (a ``channels_last`` conv weight, a
+transposed matrix) is gathered like a ``.pt`` view. Non-tensor items
+(``BytesStorageMetadata``) are skipped with a notice and never unpickled, unless the save
+was made with ``flatten_state_dict=False``: then a nested dict is one such item, a
+``torch.save`` archive whose tensors are read as a ``.pt`` file's are.
+
+Files are opened through one bounded pool (streamck.source.reader), so a checkpoint of
+thousands of files indexes under any descriptor limit.
 """
 
 from __future__ import annotations
 
-import math
-import pickle
-import re
-import struct
-import zipfile
-from pathlib import Path, PurePosixPath
-from typing import NamedTuple
+import itertools
+import os
+from pathlib import Path
 
-from streamck.dtypes import BITS
-from streamck.errors import CheckpointError
-from streamck.source.dcp import Entry, _finish, _int_tuple
+from streamck.errors import CheckpointError, listing
+from streamck.source.dcp import Entry, _finish, select
+from streamck.source.distcp_meta import METADATA_FILE, Chunk, Location, Saved, read_metadata
+from streamck.source.header import TensorRef
+from streamck.source.reader import Reader
 from streamck.source.runs import Tile
-from streamck.source.torchzip import MAX_PICKLE, TORCH_DTYPES, _Lazy, load_archive
+from streamck.source.torchzip import _flatten, _Lazy, _ref, load_archive, storage_starts
 
-METADATA_FILE = ".metadata"
-
-
-# ---------------------------------------------------------------- native DCP: .metadata
-
-
-class _Stub:
-    """A DCP metadata dataclass: pickle's BUILD fills ``__dict__`` from the saved state."""
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) for frozen/slotted classes
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if not isinstance(state, dict):
-            raise pickle.UnpicklingError(f"{type(self).__name__} state is a {type(state).__name__}")
-        self.__dict__.update(state)
-
-
-class _Metadata(_Stub):
-    pass
-
-
-class _TensorStorage(_Stub):
-    pass
-
-
-class _BytesStorage(_Stub):
-    pass
-
-
-class _Chunk(_Stub):
-    pass
-
-
-class _Index(_Stub):
-    pass
-
-
-class _StorageInfo(_Stub):
-    pass
-
-
-class _StorageMeta(_Stub):
-    pass
-
-
-class _TensorProperties(_Stub):
-    def __setstate__(self, state):  # (dtype, layout, requires_grad, memory format, pin_memory)
-        if isinstance(state, tuple) and len(state) == 5:
-            self.dtype = state[0]
-        else:
-            super().__setstate__(state)
-
-
-class _TorchDtype(NamedTuple):
-    name: str  # "float32"
-
-
-def _size(*args):
-    seq = args[0] if args else ()
-    value = _int_tuple(seq)
-    if value is None or len(args) > 1:
-        raise pickle.UnpicklingError(f"torch.Size of {seq!r:.60}")
-    return value
-
-
-def _plain(*args):  # layouts, memory-format codes, paths: recorded, never used
-    return args
-
-
-_META_CLASSES = {
-    "Metadata": _Metadata,
-    "TensorStorageMetadata": _TensorStorage,
-    "BytesStorageMetadata": _BytesStorage,
-    "ChunkStorageMetadata": _Chunk,
-    "TensorProperties": _TensorProperties,
-    "MetadataIndex": _Index,
-    "StorageMeta": _StorageMeta,
-    "_MEM_FORMAT_ENCODING": _plain,
-}
-_DTYPE_NAME = re.compile(r"(u?int\d+|float\d+\w*|bfloat16|complex\d+|bool|q(u?int)\w+|bits\w+)")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """What torch 2.13's ``.metadata`` names (see pickletools on a real file), nothing else."""
-
-    def find_class(self, module: str, name: str):
-        if module == "torch.distributed.checkpoint.metadata" and name in _META_CLASSES:
-            return _META_CLASSES[name]
-        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-            return _StorageInfo
-        if module == "torch" and name == "Size":
-            return _size
-        if module == "torch" and _DTYPE_NAME.fullmatch(name):
-            return _TorchDtype(name)
-        if (module, name) == ("torch.serialization", "_get_layout"):
-            return _plain
-        if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-            return _plain
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of DCP metadata")
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent id in DCP metadata")
-
-
-def _load_metadata(path: Path) -> _Metadata:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PICKLE + 1)
-    except FileNotFoundError:
-        raise CheckpointError("no .metadata file: not a native DCP checkpoint directory", path.parent) from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read: {e.strerror}", path) from None
-    if len(raw) > MAX_PICKLE:
-        raise CheckpointError(f"above the {MAX_PICKLE}-byte cap", path)
-    import io
-
-    try:
-        md = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError, KeyError) as e:
-        raise CheckpointError(f"refused: {e}", path) from None
-    if not isinstance(md, _Metadata):
-        raise CheckpointError(f"holds a {type(md).__name__}, not DCP Metadata", path)
-    if not isinstance(getattr(md, "state_dict_metadata", None), dict):
-        raise CheckpointError("Metadata has no state_dict_metadata map", path)
-    if not isinstance(getattr(md, "storage_data", None), dict):
-        raise CheckpointError("Metadata has no storage_data map (not written by FileSystemWriter?)", path)
-    return md
-
-
-def _relative(rel: object, directory: Path, md_path: Path) -> Path:
-    if not isinstance(rel, str) or not rel:
-        raise CheckpointError(f"storage record names file {rel!r:.60}", md_path)
-    pure = PurePosixPath(rel)
-    if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
-        raise CheckpointError(f"storage record names {rel!r}, outside the checkpoint directory", md_path)
-    return directory / rel
-
-
-class _Location(NamedTuple):
-    path: Path
-    offset: int
-    length: int
-    transforms: object = None  # _StorageInfo.transform_descriptors: absent unless an extension was used
-
-
-def _storage_map(md: _Metadata, directory: Path, md_path: Path) -> dict[tuple[str, tuple[int, ...] | None], _Location]:
-    out: dict[tuple[str, tuple[int, ...] | None], _Location] = {}
-    for index, info in md.storage_data.items():
-        if not isinstance(index, _Index) or not isinstance(info, _StorageInfo):
-            raise CheckpointError("storage_data is not a map of MetadataIndex to _StorageInfo", md_path)
-        fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
-        if not isinstance(fqn, str):
-            raise CheckpointError(f"storage record with fqn {fqn!r:.60}", md_path)
-        start, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not (type(start) is int and type(length) is int and start >= 0 and length >= 0):
-            raise CheckpointError(f"{fqn!r}: storage record range {start!r}, {length!r}", md_path)
-        key = (fqn, None if offset is None else _int_tuple(offset))
-        if key in out:
-            raise CheckpointError(f"{fqn!r}: two storage records for the chunk at {offset}", md_path)
-        rel = _relative(getattr(info, "relative_path", None), directory, md_path)
-        out[key] = _Location(rel, start, length, getattr(info, "transform_descriptors", None))
-    return out
-
-
-# ---------------------------------------------------------------- native DCP: chunk blobs
+__all__ = ["METADATA_FILE", "read_distcp"]
 
 
 class _Window:
-    """``length`` bytes of an open file from ``base``, as a seekable file for zipfile."""
+    """``length`` bytes of the file open on ``fd`` from ``base``, as a seekable file for zipfile."""
 
-    def __init__(self, f, base: int, length: int):
-        self.f, self.base, self.length, self.pos = f, base, length, 0
+    def __init__(self, fd: int, base: int, length: int):
+        self.fd, self.base, self.length, self.pos = fd, base, length, 0
 
     def seekable(self) -> bool:
         return True
@@ -210,139 +48,159 @@ class _Window:
 
     def read(self, n: int = -1) -> bytes:
         n = self.length - self.pos if n is None or n < 0 else min(n, max(0, self.length - self.pos))
-        self.f.seek(self.base + self.pos)
-        data = self.f.read(n)
+        data = os.pread(self.fd, n, self.base + self.pos)
         self.pos += len(data)
         return data
 
 
-def _blob_tensor(f, where: _Location, size: int, name: str, chunk: str) -> tuple[_Lazy, int, int]:
-    """The tensor a ``torch.save`` blob holds, its storage record's absolute data start and size."""
-    what = f"tensor {name!r} chunk at {chunk}"
-    if where.offset + where.length > size:
-        raise CheckpointError(
-            f"{what}: bytes [{where.offset}, +{where.length}) run past the {size}-byte file", where.path
-        )
-    window = _Window(f, where.offset, where.length)
+class _Files:
+    """The checkpoint's files through a Reader's bounded fd pool, each size taken once."""
+
+    def __init__(self, pool: Reader):
+        self.pool, self.sizes = pool, {}
+
+    def blob(self, where: Location, what: str) -> _Window:
+        try:
+            fd = self.pool.fd(where.path)
+        except CheckpointError:
+            if not where.path.exists():
+                raise CheckpointError("file named by .metadata is missing (a rank file?)", where.path) from None
+            raise
+        size = self.sizes.get(where.path)
+        if size is None:
+            size = self.sizes[where.path] = os.fstat(fd).st_size
+        if where.offset + where.length > size:
+            raise CheckpointError(
+                f"{what}: bytes [{where.offset}, +{where.length}) run past the {size}-byte file", where.path
+            )
+        return _Window(fd, where.offset, where.length)
+
+
+def _archive(files: _Files, where: Location, what: str) -> tuple[object, dict[str, tuple[int, int]]]:
+    """A blob's unpickled object and its storages' (absolute data start, size)."""
+    window = files.blob(where, what)
     try:
-        obj, _, records, prefix = load_archive(window, where.path)
+        obj, storages, records, prefix = load_archive(window, where.path)
+        starts = storage_starts(window, storages, records, prefix, where.path)
     except CheckpointError as e:
         raise CheckpointError(f"{what}: blob at byte {where.offset}: {e.message}", where.path) from None
-    if not isinstance(obj, _Lazy):
-        raise CheckpointError(f"{what}: blob holds a {type(obj).__name__}, not a tensor", where.path)
-    info = records.get(f"{prefix}data/{obj.storage.key}")
-    if info is None:
-        raise CheckpointError(f"{what}: storage record data/{obj.storage.key} is missing", where.path)
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise CheckpointError(f"{what}: storage record is compressed; streamck reads stored ones", where.path)
-    f.seek(where.offset + info.header_offset)
-    local = f.read(30)
-    if len(local) != 30 or local[:4] != b"PK\x03\x04":
-        raise CheckpointError(f"{what}: storage record has a bad local header", where.path)
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    if name_len != len(info.orig_filename.encode()):
-        raise CheckpointError(f"{what}: local header and central directory disagree", where.path)
-    data = info.header_offset + 30 + name_len + extra_len
-    if data + info.file_size > where.length:
+    if any(start + size > where.length for start, size in starts.values()):
         raise CheckpointError(f"{what}: storage record runs past the blob", where.path)
-    return obj, where.offset + data, info.file_size
+    return obj, {k: (where.offset + start, size) for k, (start, size) in starts.items()}
 
 
-def _chunk_tile(f, where: _Location, size: int, name: str, dtype: str, chunk: _Chunk) -> Tile:
-    offsets, sizes = _int_tuple(getattr(chunk, "offsets", None)), _int_tuple(getattr(chunk, "sizes", None))
-    if offsets is None or sizes is None or len(offsets) != len(sizes):
-        raise CheckpointError(f"tensor {name!r}: chunk with offsets/sizes {offsets}/{sizes}", where.path)
-    t, start, stored = _blob_tensor(f, where, size, name, str(list(offsets)))
-    what = f"tensor {name!r} chunk at {list(offsets)}"
-    if t.dtype != dtype:
-        raise CheckpointError(f"{what}: blob holds {t.dtype}, .metadata says {dtype}", where.path)
-    if t.size != sizes:
-        raise CheckpointError(f"{what}: blob holds shape {list(t.size)}, .metadata says {list(sizes)}", where.path)
-    expect = 1
-    for d, s in zip(reversed(t.size), reversed(t.stride), strict=False):
-        if len(t.stride) != len(t.size) or (d != 1 and s != expect):
-            raise CheckpointError(f"{what}: blob tensor is not C-contiguous (strides {list(t.stride)})", where.path)
-        expect *= d
-    if type(t.offset) is not int or t.offset < 0:
-        raise CheckpointError(f"{what}: storage offset {t.offset!r}", where.path)
-    item = BITS[dtype] // 8
-    need = math.prod(sizes) * item
-    if (t.offset * item) + need > stored:
+def _chunk_ref(files: _Files, name: str, dtype: str, chunk: Chunk) -> TensorRef:
+    """The chunk's tensor in its blob: contiguous, or a strided view to gather."""
+    what = f"tensor {name!r} chunk at {list(chunk.offsets)}"
+    obj, starts = _archive(files, chunk.where, what)
+    if not isinstance(obj, _Lazy):
+        raise CheckpointError(f"{what}: blob holds a {type(obj).__name__}, not a tensor", chunk.where.path)
+    if obj.dtype != dtype:
+        raise CheckpointError(f"{what}: blob holds {obj.dtype}, .metadata says {dtype}", chunk.where.path)
+    if obj.size != chunk.sizes:
         raise CheckpointError(
-            f"{what}: storage record holds {stored} bytes, the chunk needs {need} from element {t.offset}", where.path
+            f"{what}: blob holds shape {list(obj.size)}, .metadata says {list(chunk.sizes)}", chunk.where.path
         )
-    return Tile(where.path, start + t.offset * item, offsets, sizes)
+    try:
+        return _ref(name, obj, starts[obj.storage.key], chunk.where.path)
+    except CheckpointError as e:  # "tensor 'x': view runs past…", said of this chunk
+        raise CheckpointError(f"{what}: {e.message.removeprefix(f'tensor {name!r}: ')}", chunk.where.path) from None
 
 
-def read_distcp(directory: Path) -> tuple[dict[str, Entry], list[str]]:
-    """Index a native DCP checkpoint directory (``.metadata`` + ``*.distcp``) by tensor.
+def _entry(files: _Files, name: str, dtype: str, shape: tuple[int, ...], chunks: list[Chunk], md: Path) -> Entry:
+    refs = [(c, _chunk_ref(files, name, dtype, c)) for c in chunks]
+    strided = [(c, r) for c, r in refs if r.strides is not None]
+    if strided and len(refs) == 1 and refs[0][0].sizes == shape:  # the whole tensor, a strided view
+        ref = strided[0][1]
+        return Entry(name, dtype, shape, (Tile(ref.path, ref.start, (0,) * len(shape), shape),), ref.strides)
+    if strided:
+        c, r = strided[0]
+        raise CheckpointError(
+            f"tensor {name!r} chunk at {list(c.offsets)}: a strided view (strides {list(r.strides)}) "
+            "among several chunks; streamck gathers a strided chunk only when it is the whole tensor",
+            r.path,
+        )
+    return _finish(name, dtype, shape, [Tile(r.path, r.start, c.offsets, c.sizes) for c, r in refs], md)
 
-    Returns the entries in ``.metadata`` order and one notice per skipped non-tensor item.
+
+def _disjoint(saved: Saved) -> None:
+    """Refuse two blobs that share bytes of one file (a damaged or hand-edited .metadata)."""
+    spans: dict[Path, list[tuple[int, int, str]]] = {}
+    for name, item in saved.tensors.items():
+        for c in item.chunks:
+            spans.setdefault(c.where.path, []).append((c.where.offset, c.where.length, f"{name!r} {list(c.offsets)}"))
+    for name, loc in saved.objects.items():
+        if loc is not None:
+            spans.setdefault(loc.path, []).append((loc.offset, loc.length, repr(name)))
+    for path, found in spans.items():
+        found.sort()
+        for (a, n, x), (b, _, y) in itertools.pairwise(found):
+            if b < a + n:
+                raise CheckpointError(f"the chunks {x} and {y} share bytes [{b}, {a + n})", path)
+
+
+# What a pickle of tensor subclasses (DTensor, ShardedTensor) rebuilds them through.
+_SUBCLASS_REBUILDERS = ("_rebuild_from_type_v2", "_rebuild_wrapper_subclass", "torch.distributed")
+
+
+def _why(name: str, refusal: str) -> str:
+    if any(r in refusal for r in _SUBCLASS_REBUILDERS):
+        return f"{name!r} holds DTensors or other tensor subclasses pickled whole, only the saving rank's shards"
+    return f"{name!r}: {refusal}"
+
+
+def _objects(files: _Files, saved: Saved) -> tuple[list[Entry], list[str], list[str]]:
+    """The non-tensor items: under flatten_state_dict=False, the tensors of the ones that
+    are pickled dicts (read like a .pt file's); the names of the rest, and why none were read."""
+    entries, skipped, why = [], [], []
+    for name, loc in saved.objects.items():
+        if saved.flattened or loc is None:
+            skipped.append(name)
+            continue
+        try:
+            obj, starts = _archive(files, loc, f"item {name!r}")
+        except CheckpointError as e:
+            skipped.append(name)
+            why.append(_why(name, e.message))
+            continue
+        leaves = _flatten({name: obj}, loc.path) if isinstance(obj, dict | list | tuple) else {name: obj}
+        for leaf, value in leaves.items():
+            if not isinstance(value, _Lazy):
+                skipped.append(leaf)
+                continue
+            ref = _ref(leaf, value, starts[value.storage.key], loc.path)
+            tiles = (Tile(ref.path, ref.start, (0,) * len(ref.shape), ref.shape),) if ref.numel else ()
+            entries.append(Entry(leaf, ref.dtype, ref.shape, tiles, ref.strides))
+    return entries, skipped, why
+
+
+def read_distcp(directory: Path, key: str | None = None) -> tuple[dict[str, Entry], list[str]]:
+    """Index a native DCP checkpoint directory (``.metadata`` or per-rank ``__R.metadata``,
+    and ``*.distcp``) by tensor.
+
+    ``key`` reads the items under that prefix alone (see streamck.source.dcp.select).
+    Returns the entries in save-plan order and the notices: the top-level groups, one
+    line per group of skipped non-tensor items, and, when no item is a tensor, why.
     """
     directory = directory if isinstance(directory, Path) else Path(directory)
-    md_path = directory / METADATA_FILE
-    md = _load_metadata(md_path)
-    where = _storage_map(md, directory, md_path)
-    notices: list[str] = []
-    plans: list[tuple[str, str, tuple[int, ...], list[tuple[_Chunk, _Location]]]] = []
-    for name, meta in md.state_dict_metadata.items():
-        if not isinstance(name, str):
-            raise CheckpointError(f"state dict key {name!r:.60} is not a string", md_path)
-        if isinstance(meta, _BytesStorage):
-            loc = where.get((name, None))
-            held = f", {loc.length} bytes in {loc.path.name}" if loc else ""
-            notices.append(f"{name}: non-tensor item (DCP bytes{held}) skipped")
-            continue
-        if not isinstance(meta, _TensorStorage):
-            raise CheckpointError(f"{name!r}: storage metadata is a {type(meta).__name__}", md_path)
-        raw = getattr(getattr(meta, "properties", None), "dtype", None)
-        dtype = TORCH_DTYPES.get(raw.name) if isinstance(raw, _TorchDtype) else None
-        if dtype is None:
-            shown = f"torch.{raw.name}" if isinstance(raw, _TorchDtype) else repr(raw)
-            raise CheckpointError(f"tensor {name!r}: unknown or unsupported dtype {shown}", md_path)
-        shape = _int_tuple(getattr(meta, "size", None))
-        chunks = getattr(meta, "chunks", None)
-        if shape is None or not isinstance(chunks, list) or not all(isinstance(c, _Chunk) for c in chunks):
-            raise CheckpointError(f"tensor {name!r}: malformed size or chunk list", md_path)
-        located, files = [], {}
-        for c in chunks:
-            offsets = _int_tuple(getattr(c, "offsets", None))
-            loc = where.get((name, offsets))
-            if loc is None:
-                raise CheckpointError(f"tensor {name!r}: no storage record for the chunk at {offsets}", md_path)
-            if loc.transforms:
-                raise CheckpointError(
-                    f"tensor {name!r} is stored through transforms {list(loc.transforms)}: "
-                    "streamck reads untransformed chunks only",
-                    md_path,
-                )
-            if loc.path in files:
-                raise CheckpointError(
-                    f"tensor {name!r}: chunks at {files[loc.path]} and {offsets} are both in {loc.path.name}", md_path
-                )
-            files[loc.path] = offsets
-            located.append((c, loc))
-        plans.append((name, dtype, shape, located))
-
-    entries: dict[str, Entry] = {}
-    handles: dict[Path, tuple[object, int]] = {}
-    try:
-        for name, dtype, shape, located in plans:
-            tiles = []
-            for chunk, loc in located:
-                if loc.path not in handles:
-                    try:
-                        f = open(loc.path, "rb")
-                    except FileNotFoundError:
-                        raise CheckpointError("file named by .metadata is missing (a rank file?)", loc.path) from None
-                    except OSError as e:
-                        raise CheckpointError(f"cannot read: {e.strerror}", loc.path) from None
-                    f.seek(0, 2)
-                    handles[loc.path] = (f, f.tell())
-                f, size = handles[loc.path]
-                tiles.append(_chunk_tile(f, loc, size, name, dtype, chunk))
-            entries[name] = _finish(name, dtype, shape, tiles, md_path)
-    finally:
-        for f, _ in handles.values():
-            f.close()
-    return entries, notices
+    saved = read_metadata(directory)
+    _disjoint(saved)
+    with Reader() as pool:
+        files = _Files(pool)
+        found, skipped, why = _objects(files, saved)
+        nested = {e.name: e for e in found}
+        clash = next((n for n in nested if n in saved.tensors), None)
+        if clash is not None:
+            raise CheckpointError(f"two items are named {clash!r} once nested keys are joined with dots", saved.where)
+        chosen, notes = select([*saved.tensors, *nested], skipped, key, saved.where)
+        entries: dict[str, Entry] = {}
+        for name, out in chosen.items():
+            item = saved.tensors.get(name)
+            e = nested[name] if item is None else _entry(files, name, item.dtype, item.shape, item.chunks, saved.where)
+            entries[out] = e._replace(name=out)
+    if not entries and not saved.flattened:
+        notes.append(
+            "saved with flatten_state_dict=False, and no item is a pickled dict of plain tensors"
+            + (f" ({listing(why, 2)})" if why else "")
+        )
+    return entries, notes

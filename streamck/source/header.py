@@ -32,7 +32,7 @@ import orjson
 
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError, OutputError
-from streamck.source.runs import Run, Tile, strided_runs, tile_runs
+from streamck.source.runs import Run, Tile, tile_runs
 from streamck.source.serde import MAX_NESTING, decode_json, serde_overflows
 from streamck.source.serde import Invalid as _Invalid
 
@@ -51,6 +51,8 @@ class TensorRef(NamedTuple):
     (streamck.source.strided). ``tiles`` is set for a tensor stored in blocks (one per
     rank): then ``path`` is the first block's file, ``end - start`` the logical size,
     and the blocks tile the tensor (or, when they are 1-D, its flattened elements).
+    ``parts`` is set for a tensor gathered from others' rows (streamck.source.select):
+    its bytes are the parts' bytes one after another, ``path`` the first part's.
     ``end - start`` is always the tensor's byte size.
     """
 
@@ -62,6 +64,7 @@ class TensorRef(NamedTuple):
     end: int
     strides: tuple[int, ...] | None = None
     tiles: tuple[Tile, ...] | None = None
+    parts: tuple[TensorRef, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,19 +80,24 @@ class TensorRef(NamedTuple):
     @property
     def paths(self) -> tuple[Path, ...]:
         """Every file that holds some of this tensor's bytes."""
+        if self.parts is not None:
+            return tuple(dict.fromkeys(p for part in self.parts for p in part.paths))
         if self.tiles is None:
             return (self.path,)
         return tuple(dict.fromkeys(t.path for t in self.tiles))
 
     def runs(self) -> Iterator[Run]:
-        """The byte runs whose concatenation is this tensor, lazily (see streamck.source.runs)."""
+        """The byte runs whose concatenation is this tensor, lazily (see streamck.source.runs).
+        A strided view has none: its bytes are gathered in blocks (streamck.source.strided)."""
+        if self.parts is not None:
+            return (run for part in self.parts for run in part.runs())
         if self.tiles is not None:
             if not self.tiles:  # no elements
                 return iter(())
             grid = self.shape if len(self.tiles[0].offsets) == len(self.shape) else (self.numel,)
             return tile_runs(grid, BITS[self.dtype] // 8, self.tiles)
-        if self.strides is not None:
-            return strided_runs(self)
+        if self.strides is not None:  # one run per element of a transposed matrix: gathered instead
+            raise ValueError(f"{self.name}: a strided view is read through a Reader (streamck.source.strided)")
         return iter((Run(self.path, self.start, self.end - self.start),) if self.end > self.start else ())
 
 
@@ -212,7 +220,8 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
             end = stop
             tensors.append(
                 _new_ref(
-                    TensorRef, (name, dtype, tuple(shape), path, data_start + start, data_start + stop, None, None)
+                    TensorRef,
+                    (name, dtype, tuple(shape), path, data_start + start, data_start + stop, None, None, None),
                 )
             )
         if not in_order:  # writers usually list tensors by offset; others get sorted and checked
@@ -248,6 +257,8 @@ def read_header(path: str | os.PathLike) -> Header:
             if len(prefix) < 8:
                 raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", path)
             (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER and prefix[:4] == b"PK\x03\x04":  # a zip's first bytes read as ~5.8e17
+                raise CheckpointError("is a zip archive (a torch.save pickle), not safetensors", path)
             if n > MAX_HEADER:
                 raise CheckpointError(f"header length {n} is above the {MAX_HEADER}-byte cap", path)
             if 8 + n > size:

@@ -69,7 +69,8 @@ class Layout:
 
     ``kind`` says how the shards are read: ``files`` (safetensors or torch zips, each
     tensor whole in one file), ``dcp`` (torch DCP sharded safetensors), ``distcp``
-    (native DCP) or ``zero`` (DeepSpeed ZeRO state, ``root`` its ``global_stepN``).
+    (native DCP), ``fsdp`` (accelerate's SHARDED_STATE_DICT: native DCP of ``{"model": ...}``)
+    or ``zero`` (DeepSpeed ZeRO state, ``root`` its ``global_stepN``).
     ``side_root`` holds the config and tokenizer files; ``zero`` is set when ZeRO state
     sits beside a weights file (a Trainer ``checkpoint-N/``), for the index to choose, and
     ``zero_unclear`` says why it is not when that is a guess (several step folders, no
@@ -155,12 +156,24 @@ def pick_step(path: Path, step: str | int) -> Path:
 
 def _distributed(path: Path) -> Layout | None:
     """A torch DCP checkpoint in ``path`` (native, or sharded safetensors), or None."""
-    if (path / DCP_METADATA).is_file():
-        return Layout(path, sorted(path.glob("*.distcp")), kind="distcp")
+    distcp = sorted(path.glob("*.distcp"))
+    if distcp or (path / DCP_METADATA).is_file() or any(path.glob("__*.metadata")):  # per-rank: use_collectives=False
+        return Layout(path, distcp, kind="distcp")
     shards = sorted(p for p in path.glob(DCP_SHARDS) if p.is_file())
     if shards:
         return Layout(path, shards, kind="dcp")
     return None
+
+
+def _fsdp(path: Path) -> Layout | None:
+    """accelerate's SHARDED_STATE_DICT model folder in a Trainer ``checkpoint-N/`` (or given
+    itself), read as the model; side files from ``checkpoint-N/``. None when there is none."""
+    from streamck.source.fsdp import model_dir
+
+    found = model_dir(path)
+    if found is None:
+        return None
+    return Layout(found, sorted(found.glob("*.distcp")), kind="fsdp", side_root=found.parent)
 
 
 def _automodel_step(path: Path) -> Layout | None:
@@ -254,12 +267,13 @@ def hub_snapshot(path: Path) -> Path:
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     path = hub_snapshot(path)
+    from streamck.source import fsdp
     from streamck.source.zero import find_zero, rank_file_error
 
     if path.is_file():
         if path.name in INDEX_NAMES:
             return find_layout(path.parent)
-        refused = rank_file_error(path)
+        refused = rank_file_error(path) or fsdp.rank_file_error(path)
         if refused:
             raise refused
         return Layout(path.parent, [path])
@@ -272,6 +286,9 @@ def find_layout(path: Path) -> Layout:
     for name in INDEX_NAMES:
         if (path / name).is_file():
             return replace(_from_index(path, path / name), zero=zero, zero_unclear=unclear)
+    found = _fsdp(path)
+    if found is not None:
+        return found
     found = _distributed(path)
     if found is not None:
         side = path / HF_METADATA.name  # the model/ folder of an Automodel step
@@ -279,6 +296,9 @@ def find_layout(path: Path) -> Layout:
     for pattern in SHARD_GLOBS:
         shards = sorted(p for p in path.glob(pattern) if p.is_file())
         if shards:
+            refused = fsdp.rank_files_error(path)
+            if refused:
+                raise refused
             return Layout(path, shards, zero=zero, zero_unclear=unclear)
     if zero is not None:
         # global_stepN/ given itself: Trainer's config and tokenizer are in checkpoint-N/ above

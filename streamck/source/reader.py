@@ -32,6 +32,21 @@ COPY_CHUNK = 64 << 20
 # A run at least this long is copied kernel-side; shorter ones go through the buffer.
 KERNEL_MIN = 1 << 20
 MAX_FDS = 256
+
+
+def pool_size() -> int:
+    """How many fds a Reader keeps open: MAX_FDS, or a quarter of the process's soft
+    descriptor limit when that is lower (``ulimit -n 256``), leaving the rest to the
+    writer, the caller and the interpreter."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return MAX_FDS
+    return MAX_FDS if soft == resource.RLIM_INFINITY else min(MAX_FDS, max(4, soft // 4))
+
+
 # Bytes of one block's rows read at once before they are placed in a window.
 SCRATCH = 4 << 20
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -55,16 +70,17 @@ class Reader:
     def __init__(self, chunk: int = CHUNK, copy_mode: str | None = None, copy_chunk: int = COPY_CHUNK):
         self.chunk, self.copy_chunk = chunk, copy_chunk
         self._fds: dict[Path, int] = {}
+        self._max_fds = pool_size()
         self._buffer: mmap.mmap | None = None
         self._spare = bytearray()
         self._mode = copy_mode or next(m for m in COPY_MODES if m == "buffer" or hasattr(os, m))
 
     def fd(self, path: Path) -> int:
-        """A read-only fd on ``path``, from the pool: at most MAX_FDS stay open, the least
+        """A read-only fd on ``path``, from the pool: at most pool_size() stay open, the least
         recently used closed first (a ZeRO or DCP checkpoint may have thousands of files)."""
         fd = self._fds.pop(path, None)
         if fd is None:
-            if len(self._fds) >= MAX_FDS:
+            if len(self._fds) >= self._max_fds:
                 os.close(self._fds.pop(next(iter(self._fds))))
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -105,7 +121,12 @@ class Reader:
 
     def copy(self, ref: TensorRef, out: int, progress: Callable[[int], None] = lambda n: None) -> None:
         """Append ``ref``'s bytes to the fd ``out``: long runs kernel-side, the rest
-        through the buffer; views and blocks narrower than a row are gathered."""
+        through the buffer; views and blocks narrower than a row are gathered; a tensor
+        of parts is its parts in order."""
+        if ref.parts is not None:
+            for part in ref.parts:
+                self.copy(part, out, progress)
+            return
         if ref.strides is not None or _row_blocks(ref) is not None:  # gathered, not copied
             for view in self.windows(ref):
                 write_all(out, view)
@@ -221,11 +242,13 @@ class TensorStream:
         self._runs: Iterator[Run] | None = None
         self._grid = _row_blocks(ref)
         self._pos = 0
+        self._parts = iter(ref.parts) if ref.parts is not None else None
+        self._part: TensorStream | None = None
         if ref.strides is not None:
             from streamck.source.strided import gather
 
             self._blocks = gather(ref, reader.chunk, reader.fd(ref.path))
-        elif self._grid is None:
+        elif self._grid is None and self._parts is None:
             self._runs = ref.runs()
         self._rest: Run | memoryview | None = None  # what the last call left of a run or block
 
@@ -233,7 +256,12 @@ class TensorStream:
         """Fill ``view`` with the next bytes; returns how many (less only at the end)."""
         want = min(len(view), self.left)
         done = 0
-        if self._grid is not None:
+        if self._parts is not None:
+            while done < want:
+                if self._part is None or not self._part.left:
+                    self._part = TensorStream(self.reader, next(self._parts))
+                done += self._part.readinto(view[done:want])
+        elif self._grid is not None:
             _fill_rows(self.reader, self._grid, view[:want], self._pos)
             self._pos += want
             done = want

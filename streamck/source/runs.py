@@ -107,33 +107,6 @@ def _rows(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     return itertools.product(*map(range, shape))
 
 
-def strided_runs(ref) -> Iterator[Run]:
-    """The runs of a strided torch view ``ref`` (a TensorRef with ``strides``): one per
-    stretch of its row-major order that is contiguous in the storage. Readers gather
-    views in blocks instead (streamck.source.strided); this is the same bytes, described."""
-    shape, strides = ref.shape, ref.strides
-    numel = math.prod(shape)
-    if not numel:
-        return
-    item = (ref.end - ref.start) // numel
-    k, expect = len(shape), 1
-    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == expect):
-        k -= 1
-        expect *= shape[k]
-    length = math.prod(shape[k:]) * item
-    pending: Run | None = None
-    for index in _rows(shape[:k]):
-        offset = ref.start + sum(i * s for i, s in zip(index, strides, strict=False)) * item
-        if pending is not None and pending.offset + pending.length == offset:
-            pending = Run(ref.path, pending.offset, pending.length + length)
-            continue
-        if pending is not None:
-            yield pending
-        pending = Run(ref.path, offset, length)
-    if pending is not None:
-        yield pending
-
-
 class RowBlocks:
     """A tensor tiled along its first dimension and at most one more, seen as ``rows`` rows
     of ``row_bytes`` bytes: with ``k`` the other cut dimension, a row is one index over the

@@ -19,7 +19,7 @@ import zlib
 from pathlib import Path
 
 from streamck.dtypes import BITS, TORCH
-from streamck.errors import CheckpointError, listing
+from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import Header, TensorRef
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
@@ -141,6 +141,8 @@ def _read_record(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> bytes
 
 
 def _data_offset(f, info: zipfile.ZipInfo, path: Path | None = None) -> int:
+    """Where record ``info``'s bytes start in ``f``: past its local header, which must agree
+    with the central directory and not be encrypted."""
     f.seek(info.header_offset)
     local = f.read(30)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
@@ -148,7 +150,25 @@ def _data_offset(f, info: zipfile.ZipInfo, path: Path | None = None) -> int:
     if info.flag_bits & 1 or local[6] & 1:
         raise CheckpointError(f"archive record {info.filename} is encrypted", path)
     name_len, extra_len = struct.unpack("<HH", local[26:30])
+    if name_len != len(info.orig_filename.encode()):
+        raise CheckpointError(f"archive record {info.filename}: local header and central directory disagree", path)
     return info.header_offset + 30 + name_len + extra_len
+
+
+def storage_starts(
+    f, storages: dict[str, _Storage], records: dict[str, zipfile.ZipInfo], prefix: str, path: Path
+) -> dict[str, tuple[int, int]]:
+    """Each storage's (data start in ``f``, size): load_archive's storages located. Raises
+    CheckpointError for a missing, compressed or encrypted storage record."""
+    starts = {}
+    for record in storages:
+        info = records.get(f"{prefix}data/{record}")
+        if info is None:
+            raise CheckpointError(f"storage record data/{record} is missing", path)
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(f"storage record data/{record} is compressed; streamck reads stored ones", path)
+        starts[record] = (_data_offset(f, info, path), info.file_size)
+    return starts
 
 
 def load_archive(
@@ -204,16 +224,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
             if not isinstance(obj, dict):
                 what = _describe(obj) if isinstance(obj, _Lazy | _Storage) else f"a {type(obj).__name__}"
                 raise CheckpointError(f"data.pkl holds {what}, not a state dict", path)
-            starts = {}
-            for record in storages:
-                info = records.get(f"{prefix}data/{record}")
-                if info is None:
-                    raise CheckpointError(f"storage record data/{record} is missing", path)
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise CheckpointError(
-                        f"storage record data/{record} is compressed; streamck reads stored ones", path
-                    )
-                starts[record] = (_data_offset(f, info, path), info.file_size)
+            starts = storage_starts(f, storages, records, prefix, path)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None
     notices = [] if notices is None else notices
@@ -221,7 +232,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     tensors = [_ref(n, v, starts[v.storage.key], path) for n, v in leaves.items() if isinstance(v, _Lazy)]
     skipped = [n for n, v in leaves.items() if not isinstance(v, _Lazy)]  # step counters, hyperparameters
     if skipped:
-        notices.append(f"{path.name}: skipped entries that are not tensors ({len(skipped)}): {listing(skipped)}")
+        notices.append(Info(f"{path.name}: skipped entries that are not tensors ({len(skipped)}): {listing(skipped)}"))
     return Header(tensors, {}, 0)
 
 

@@ -5,6 +5,7 @@ reads the layout they make up)."""
 
 from __future__ import annotations
 
+import _compat_pickle
 import math
 import os
 import pickle
@@ -37,6 +38,14 @@ class _Opaque:
         return f"<{type(self).__module__}.{type(self).__name__}{self.args!r}>"
 
 
+def _defaultdict(factory=None, *args):
+    """A defaultdict as pickled: its items, never its factory's calls (``set([...])`` takes an
+    iterable of any length, but ``defaultdict(bytes, ...)`` would call it on a missing key)."""
+    if args:
+        raise pickle.UnpicklingError("defaultdict with arguments beyond its factory")
+    return {}
+
+
 _STUBS: dict[tuple[str, str], type] = {}
 _TENSOR_TYPES = {
     ("torch", "Tensor"),
@@ -48,7 +57,8 @@ _TENSOR_TYPES = {
 
 # Plain-data objects a trainer's client state puts into the model-states pickle (Lightning's
 # DeepSpeedStrategy passes its whole checkpoint dict: hyperparameters as ``AttributeDict`` or
-# ``Namespace``): read as inert stand-ins that hold what was pickled, like DeepSpeed's own.
+# ``Namespace``, or a Hydra run's OmegaConf config): read as inert stand-ins that hold what
+# was pickled, like DeepSpeed's own.
 DATA_ONLY = {
     ("argparse", "Namespace"): _Opaque,
     ("lightning.fabric.utilities.data", "AttributeDict"): dict,
@@ -56,13 +66,26 @@ DATA_ONLY = {
     ("lightning.pytorch.utilities.parsing", "AttributeDict"): dict,
     ("pytorch_lightning.utilities.parsing", "AttributeDict"): dict,
 }
+# Every class of these modules is a config node or its metadata; ``typing.Any`` is a node's type.
+DATA_ONLY_MODULES = ("omegaconf",)
+_TYPING = {("typing", "Any")}
+# Plain types such nodes name as values (an OmegaConf node's ``object_type``), under their
+# Python 2 names too (torch.save pickles with protocol 2): stand-ins, so that no pickle can
+# call them (``bytes(1 << 40)``). ``set``/``frozenset`` hold DeepSpeed's param groups, and a
+# ``defaultdict`` OmegaConf's flags: the real ones, as their items come from this unpickler.
+_NAMED_TYPES = {"dict", "list", "tuple", "int", "float", "str", "bool", "bytes"}
+_PLAIN = {("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("collections", "defaultdict"): _defaultdict}
+
+
+def _is_data_only(module: str, name: str) -> bool:
+    return (module, name) in DATA_ONLY or module.split(".", 1)[0] in DATA_ONLY_MODULES
 
 
 def _stub(module: str, name: str) -> type:
     cls = _STUBS.get((module, name))
     if cls is None:
         base = DATA_ONLY.get((module, name), _Opaque)
-        attrs = {"__module__": module, "__qualname__": name, "data_only": (module, name) in DATA_ONLY}
+        attrs = {"__module__": module, "__qualname__": name, "data_only": _is_data_only(module, name)}
         cls = _STUBS[(module, name)] = type(name, (base,), attrs)
     return cls
 
@@ -94,7 +117,9 @@ def _codecs_encode(text, encoding="latin1"):
 
 class _ZeroPickle(_WeightsOnly):
     def find_class(self, module: str, name: str):
-        if module == "deepspeed" or module.startswith("deepspeed.") or (module, name) in DATA_ONLY:
+        if module == "deepspeed" or module.startswith("deepspeed.") or _is_data_only(module, name):
+            return _stub(module, name)
+        if (module, name) in _TYPING:
             return _stub(module, name)
         if module == "torch" and name == "Size":
             return tuple
@@ -104,8 +129,12 @@ class _ZeroPickle(_WeightsOnly):
             return name
         if module == "_codecs" and name == "encode":
             return _codecs_encode
-        if module == "builtins" and name in ("set", "frozenset"):
-            return {"set": set, "frozenset": frozenset}[name]
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        if (module, name) in _PLAIN:
+            return _PLAIN[module, name]
+        if module == "builtins" and name in _NAMED_TYPES:
+            return _stub(module, name)
         return super().find_class(module, name)
 
 

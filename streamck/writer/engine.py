@@ -16,6 +16,7 @@ from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
 from streamck.source.torchzip import TORCH_SUFFIXES
 from streamck.writer.atomic import atomic_output, check_target, refuse_source
+from streamck.writer.clone import Sharing, line_up
 from streamck.writer.layout import (
     FORMATS,
     INDEX_NAME,
@@ -23,22 +24,31 @@ from streamck.writer.layout import (
     TORCH_INDEX_NAME,
     TORCH_SINGLE_NAME,
     Shard,
+    by_source_file,
     index_bytes,
     plan_shards,
 )
 from streamck.writer.parts import assign, check_directory
 from streamck.writer.shardwriter import Progress, ShardWriter, Syncer, Workers
+from streamck.writer.torchsave import refuse_unsaveable
 from streamck.writer.verify import verify_shard
 
 
 @dataclass
 class WriteResult:
-    """What a rewrite produced: the final paths, the bytes written, and per-tensor counts
-    of finite values that a cast turned into infinity."""
+    """What a rewrite produced: the final paths, the tensor bytes written (of which
+    ``shared`` share the source's blocks rather than copy them, streamck.writer.clone), and
+    per-tensor counts of finite values that a cast turned into infinity."""
 
     files: list[Path]
     total_size: int
     overflow: dict[str, int] = field(default_factory=dict)
+    shared: int = 0
+
+    @property
+    def copied(self) -> int:
+        """Tensor bytes written (copied or cast) rather than shared."""
+        return self.total_size - self.shared
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
@@ -81,6 +91,7 @@ def write_plan(
     format: str | None = None,
     jobs: int = 1,
     part: tuple[int, int] | None = None,
+    keep_shards: bool = False,
 ) -> WriteResult:
     """Write ``plan`` to ``out``: a ``*.safetensors`` path is one file, a ``*.bin``/``.pt``/
     ``.pth`` path one torch.save archive; any other path is a directory holding
@@ -91,6 +102,12 @@ def write_plan(
     (or a fresh CPU cast of it) before the output is kept. ``jobs`` writes that many
     shards at once (threads; the bytes are the same as with one). ``part=(K, N)`` writes
     only part K of N of a directory output's shards, see streamck.writer.parts.
+    ``keep_shards`` writes one shard per source file, its tensors in the source's order.
+
+    Where the output's filesystem can share blocks (XFS with reflink, btrfs…), headers are
+    padded so that unchanged tensors lie in step with their source, and their bytes are
+    shared rather than copied (streamck.writer.clone); elsewhere the layout is the
+    reference writer's.
 
     Memory stays near ``chunk`` bytes whatever the tensor sizes. The output appears
     under its final name only when complete and fsynced; on any error or signal
@@ -109,6 +126,8 @@ def write_plan(
             raise UsageError("-o - streams one safetensors file; write a torch archive to a path")
         if part is not None:
             raise UsageError("--part writes its share of a directory output's files; -o - is one stream")
+        if keep_shards:
+            raise UsageError("--keep-shards writes files beside their source's; -o - is one stream")
         return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
     out = _target(out)
     named = file_format(out)
@@ -118,6 +137,8 @@ def write_plan(
     if named is not None and format not in (None, named):
         raise UsageError(f"--format {format} disagrees with the output's name {out.name}")
     format = named or format or "safetensors"
+    if format == "torch":
+        refuse_unsaveable(plan.tensors)
     if plan.single_file and format != "safetensors":
         raise OutputError("this plan writes exactly one model.safetensors; drop --format", out)
     if plan.single_file and max_shard_size is not None:
@@ -128,18 +149,26 @@ def write_plan(
         raise OutputError(f"this plan also writes {', '.join(plan.files)}; give a directory output", out)
     if single and part is not None:
         raise UsageError(f"--part splits a directory output's files; {out.name} is one file")
+    if keep_shards:
+        _check_keep_shards(plan, out, single, format, max_shard_size)
     sources = list(plan.source.files) if plan.source else []
     if single and plan.source is not None:
         _refuse_joining(out, plan)
     default = TORCH_SINGLE_NAME if format == "torch" else SINGLE_NAME
-    shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format)
+    shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format, keep_shards)
     if part is None:
         check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
     else:
         refuse_source(out, sources)
         check_directory(out, [s.filename for s in shards] + sorted(_extras(plan, shards)))
+    # Parts may run on hosts whose filesystems clone differently, and pad differently: who
+    # writes which shard is settled on the unpadded sizes, the same in every part.
+    owners = assign(shards, part[1]) if part is not None else []
+    sharing = Sharing.probe(out if part is not None else out.parent) if format == "safetensors" else None
+    if sharing is not None:
+        shards = [line_up(s, sharing, header_align) for s in shards]
     bar = Progress(plan.total_size, progress)
-    workers = Workers(jobs, chunk, device, drop_cache, bar)
+    workers = Workers(jobs, chunk, device, drop_cache, bar, sharing)
     if any(t.is_cast for t in plan.tensors):
         _caster(workers.first)  # a missing torch or CUDA device is an error before any file exists
     syncer = Syncer(drop_cache)
@@ -149,8 +178,8 @@ def write_plan(
         stack.callback(syncer.close)
         try:
             if part is not None:
-                files, size = _write_part(plan, out, shards, part, workers, verify)
-                return WriteResult(files, size, workers.overflow)
+                files, size = _write_part(plan, out, shards, owners, part[0], workers, verify)
+                return WriteResult(files, size, workers.overflow, workers.shared)
             tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
             paths = [tmp] if single else [tmp / s.filename for s in shards]
 
@@ -169,18 +198,18 @@ def write_plan(
         if plan.source is not None:
             plan.source.check_unchanged()
     files = [out] if single else [out / s.filename for s in shards] + [out / n for n in extras]
-    return WriteResult(files, plan.total_size, workers.overflow)
+    return WriteResult(files, plan.total_size, workers.overflow, workers.shared)
 
 
 def _write_part(
-    plan: Plan, out: Path, shards: list[Shard], part: tuple[int, int], workers: Workers, verify: bool
+    plan: Plan, out: Path, shards: list[Shard], owners: list[int], k: int, workers: Workers, verify: bool
 ) -> tuple[list[Path], int]:
-    """Part K of N: its own shards, each written, fsynced (and verified) under a temporary
-    name and renamed into ``out``; then the side files, the same bytes from every part,
+    """Part ``k`` (1-based): the shards ``owners`` gives it (each shard's 0-based part), each
+    written, fsynced (and verified) under a temporary name and renamed into ``out``; then
+    the side files, the same bytes from every part,
     and the index once every shard is there (whichever part finishes last writes it;
     downstream jobs may wait for it). Returns the paths written and their tensor bytes."""
-    k, n = part
-    mine = [s for s, owner in zip(shards, assign(shards, n), strict=True) if owner == k - 1]
+    mine = [s for s, owner in zip(shards, owners, strict=True) if owner == k - 1]
 
     def write(writer: ShardWriter, shard: Shard) -> None:
         with atomic_output(out / shard.filename, is_dir=False, force=True) as tmp:
@@ -203,6 +232,18 @@ def _write_part(
         plan.source.check_unchanged()
     written = [out / s.filename for s in mine] + [out / n for n in sorted(extras) if n not in index or complete]
     return written, sum(t.nbytes for s in mine for t in s.tensors)
+
+
+def _check_keep_shards(plan: Plan, out: Path, single: bool, format: str, max_shard_size: int | None) -> None:
+    """``--keep-shards`` lays safetensors files out as the source's: refuse what it cannot."""
+    if max_shard_size is not None:
+        raise UsageError("--keep-shards keeps the source's files; drop --max-shard-size")
+    if format != "safetensors":
+        raise UsageError("--keep-shards writes safetensors files (a torch archive shares no bytes with its source)")
+    if plan.single_file:
+        raise OutputError("this plan writes exactly one model.safetensors; drop --keep-shards", out)
+    if single and len(by_source_file(plan.tensors)) > 1:
+        raise OutputError(f"--keep-shards keeps several source files; give a directory output, not {out.name}", out)
 
 
 def _target(out: str | os.PathLike) -> Path:

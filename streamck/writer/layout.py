@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 from streamck.dtypes import RANK
+from streamck.errors import UsageError
 from streamck.plan import OutputTensor, Plan
 from streamck.source import header
 
@@ -54,6 +57,32 @@ def header_bytes(tensors: list[OutputTensor], metadata: dict[str, str], align: i
     return header.encode_header(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), metadata, align)
 
 
+def pad_header(header: bytes, data_start: int) -> bytes:
+    """``header`` (as header_bytes returns it) padded with more spaces, which the format
+    allows after the JSON, so that the data area starts at ``data_start``."""
+    if data_start < len(header):
+        raise ValueError(f"data_start {data_start} is inside the {len(header)}-byte header")
+    raw = header[8:] + b" " * (data_start - len(header))
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def by_source_file(tensors: list[OutputTensor]) -> list[list[OutputTensor]]:
+    """``--keep-shards``: one group per source file holding some of ``tensors``, in the
+    files' natural name order, each in its file's byte order, so that a rename keeps every
+    tensor at its source offset. A tensor assembled from several files is a UsageError."""
+    groups: dict[Path, list[OutputTensor]] = {}
+    for t in tensors:
+        paths = t.source.paths
+        if len(paths) != 1:
+            raise UsageError(
+                f"--keep-shards writes one file per source file, and {t.name} is assembled from "
+                f"{len(paths)} files; drop --keep-shards"
+            )
+        groups.setdefault(paths[0], []).append(t)
+    files = sorted(groups, key=lambda p: _natural(str(p)))
+    return [sorted(groups[p], key=lambda t: (t.source.start, t.name)) for p in files]
+
+
 def _natural(name: str) -> list[object]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
@@ -73,13 +102,22 @@ def split(tensors: list[OutputTensor], max_size: int) -> list[list[OutputTensor]
 
 
 def plan_shards(
-    plan: Plan, filename: str = SINGLE_NAME, max_size: int | None = None, align: int = 8, format: str = "safetensors"
+    plan: Plan,
+    filename: str = SINGLE_NAME,
+    max_size: int | None = None,
+    align: int = 8,
+    format: str = "safetensors",
+    keep_shards: bool = False,
 ) -> list[Shard]:
     """Lay ``plan`` out as one file named ``filename``, or as numbered shards of at most
-    ``max_size`` data bytes each (one shard keeps the single-file name). Safetensors
-    files order tensors as the reference writer does; torch archives by name, as a
-    state dict reads."""
-    groups = split(plan.tensors, max_size) if max_size else [plan.tensors]
+    ``max_size`` data bytes each (one shard keeps the single-file name), or with
+    ``keep_shards`` one numbered shard per source file (by_source_file). Safetensors files
+    order tensors as the reference writer does (kept shards as their source file does);
+    torch archives by name, as a state dict reads."""
+    if keep_shards:
+        groups = by_source_file(plan.tensors)
+    else:
+        groups = split(plan.tensors, max_size) if max_size else [plan.tensors]
     n = len(groups)
     stem, suffix = ("pytorch_model", "bin") if format == "torch" else ("model", "safetensors")
     names = [filename] if n == 1 else [f"{stem}-{i:05d}-of-{n:05d}.{suffix}" for i in range(1, n + 1)]
@@ -88,7 +126,7 @@ def plan_shards(
         if format == "torch":
             shards.append(Shard(name, b"", sorted(group, key=lambda t: _natural(t.name)), "torch"))
         else:
-            ordered = write_order(group)
+            ordered = group if keep_shards else write_order(group)
             shards.append(Shard(name, header_bytes(ordered, plan.metadata, align), ordered))
     return shards
 

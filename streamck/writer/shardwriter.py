@@ -14,6 +14,7 @@ from streamck.errors import OutputError, UsageError
 from streamck.fileio import start_writeback, write_all
 from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
+from streamck.writer.clone import Sharing, copy_shared, spans
 from streamck.writer.layout import Shard
 
 _DROP_EVERY = 256 << 20
@@ -91,10 +92,20 @@ class ShardWriter:
     """Streams shards into fds: header, then each tensor copied, gathered or cast.
 
     One per rewrite: its reader keeps the source fds open and its buffers are reused.
+    With ``sharing``, unchanged tensors in step with their source share its blocks
+    (streamck.writer.clone); ``shared`` counts those bytes.
     """
 
-    def __init__(self, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
+    def __init__(
+        self,
+        chunk: int,
+        device: str | None,
+        drop_cache: bool,
+        progress: Callable[[int], None],
+        sharing: Sharing | None = None,
+    ):
         self.reader = Reader(min(chunk, CHUNK))
+        self.sharing, self.shared = sharing, 0
         self.caster = None
         self.chunk, self.device = chunk, device
         self.drop_cache = drop_cache
@@ -142,22 +153,24 @@ class ShardWriter:
         write_all(out, shard.header)
         since_drop = 0
         with Writeback(out, self.progress, self.writeback_pool()) as progress:
-            for t in shard.tensors:
-                src = t.source
-                if t.merge is not None:
+            for group, span in spans(shard.tensors, self.sharing):
+                if span is not None:  # unchanged tensors that continue one another: one run
+                    self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
+                elif (t := group[0]).merge is not None:
                     for view in self.merged(t):
                         write_all(out, view)
                         progress(len(view))
                 elif t.is_cast:
-                    n = self.get_caster().cast(self.reader.stream(src), t.dtype, out, progress)
+                    n = self.get_caster().cast(self.reader.stream(t.source), t.dtype, out, progress)
                     if n:
                         self.overflow[t.name] = n
                 else:
-                    self.reader.copy(src, out, progress)
+                    self.reader.copy(t.source, out, progress)
                 if self.drop_cache:
-                    for path in src.paths:
-                        os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
-                    since_drop += t.nbytes
+                    for t in group:
+                        for path in t.source.paths:
+                            os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
+                        since_drop += t.nbytes
                     if since_drop >= _DROP_EVERY:
                         os.fdatasync(out)  # only clean pages can be dropped
                         os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -234,7 +247,15 @@ class Workers:
     the others at their next chunk and is raised once all have stopped, so nothing writes
     into a temporary that is being removed. One job runs inline, on the calling thread."""
 
-    def __init__(self, jobs: int, chunk: int, device: str | None, drop_cache: bool, progress: Callable[[int], None]):
+    def __init__(
+        self,
+        jobs: int,
+        chunk: int,
+        device: str | None,
+        drop_cache: bool,
+        progress: Callable[[int], None],
+        sharing: Sharing | None = None,
+    ):
         self.jobs, self._stop = jobs, threading.Event()
         lock = threading.Lock()
 
@@ -244,7 +265,7 @@ class Workers:
             with lock:
                 progress(n)
 
-        self._make = lambda: ShardWriter(chunk, device, drop_cache, checked if jobs > 1 else progress)
+        self._make = lambda: ShardWriter(chunk, device, drop_cache, checked if jobs > 1 else progress, sharing)
         self.first = self._make()  # made now, so that a missing caster fails before any file exists
         self.writers = [self.first]
 
@@ -286,6 +307,11 @@ class Workers:
     @property
     def overflow(self) -> dict[str, int]:
         return {k: v for w in self.writers for k, v in w.overflow.items()}
+
+    @property
+    def shared(self) -> int:
+        """Bytes written by sharing the source's blocks (streamck.writer.clone)."""
+        return sum(w.shared for w in self.writers)
 
     def close(self) -> None:
         for writer in self.writers:

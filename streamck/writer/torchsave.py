@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from streamck.dtypes import TORCH
-from streamck.errors import OutputError
+from streamck.errors import OutputError, listing
 
 ALIGN = 64
 _FLAGS = 0x0808  # data descriptor follows; names are UTF-8
@@ -245,3 +245,12 @@ def stream_archive(
 def archive_size(filename: str, tensors: list[tuple[str, str, tuple[int, ...], int]]) -> int:
     _, records = layout(filename, tensors)
     return len(end_of_archive(records, [0] * len(records))) + records[-1].offset + records[-1].span
+
+
+def refuse_unsaveable(tensors: Iterable) -> None:
+    """Refuse, before anything is written, tensors (``.name``, ``.dtype``) whose dtype torch
+    cannot hold (F4 and F6 pack elements in bits: torch has no such dtype)."""
+    odd = [t for t in tensors if t.dtype not in TORCH]
+    if odd:
+        names = listing([f"{t.name} ({t.dtype})" for t in odd], 3)
+        raise OutputError(f"torch.save output cannot hold {names}: torch has no such dtype; write safetensors")

@@ -1,0 +1,246 @@
+"""``--plan megatron-gpt``: a megatron-core GPTModel ``torch_dist`` checkpoint as a Hugging Face model.
+
+Megatron's training loop leaves ``<root>/latest_checkpointed_iteration.txt`` and
+``iter_NNNNNNN/`` (native DCP; ``metadata.json`` says ``torch_dist``). Its model keys are
+stacked over layers (``megatron_layout``); each Hugging Face tensor is one layer's rows
+of one of them (streamck.source.select): the fused ``linear_qkv`` split per query group
+into q, k and v (and RoPE pairs reordered when Megatron rotated interleaved pairs),
+``linear_fc1`` into gate and up, the padded vocabulary trimmed. The sizes come from the
+checkpoint's own ``args`` (a pickled ``argparse.Namespace`` in the ``common_state`` item,
+read as inert data) and, where given, a Hugging Face config (``--hf-config``, or
+``config.json`` beside the step) that must agree with them; without one, the output's
+``config.json`` is built from ``args``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+
+from streamck.errors import PlanError
+from streamck.plan import hf_export
+from streamck.plan.compile import Plan
+from streamck.plan.megatron_args import read_args
+from streamck.plan.megatron_layout import (
+    HEAD,
+    HF_DEFAULT,
+    HF_MODELS,
+    LAYER,
+    QK_NORM,
+    QKV_BIAS,
+    REFUSED_ARGS,
+    TOP,
+    TRACKER,
+    TRAINING_STATE,
+)
+from streamck.plan.rules import Rules
+from streamck.source import TensorRef, open_checkpoint
+from streamck.source.select import Rows, select
+
+PLAN = "megatron-gpt"
+# Args whose values must equal the Hugging Face config's, by shape symbol.
+CROSS_CHECKED = ("L", "H", "nh", "nkv", "d", "I")
+
+
+def step_dir(path: Path) -> Path:
+    """The iteration folder: ``path`` itself, or the one its tracker file names."""
+    if (path / TRACKER).is_file():
+        text = (path / TRACKER).read_text().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        if name is None or not (path / name).is_dir():
+            raise PlanError(f"{TRACKER} says {text!r}, and there is no such iteration folder", path)
+        path = path / name
+    meta = path / "metadata.json"
+    if not meta.is_file():
+        found = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
+        hint = f"; iterations here: {', '.join(found)}" if found else ""
+        if any(path.glob("mp_rank_*")):
+            hint = "; a legacy mp_rank_* checkpoint: save with --ckpt-format torch_dist"
+        raise PlanError(f"is not a Megatron dist checkpoint (no metadata.json){hint}", path)
+    try:
+        backend = orjson.loads(meta.read_bytes()).get("sharded_backend")
+    except (orjson.JSONDecodeError, AttributeError):
+        raise PlanError("is not a JSON object", meta) from None
+    if backend != "torch_dist":
+        raise PlanError(f"sharded_backend {backend!r}: --plan {PLAN} reads torch_dist checkpoints", meta)
+    return path
+
+
+def _sizes(args: dict, keys: dict[str, TensorRef], where: Path) -> dict[str, int]:
+    """Shape symbols from Megatron's args (its argument names)."""
+    try:
+        nh, H = args["num_attention_heads"], args["hidden_size"]
+        out = {
+            "L": args["num_layers"],
+            "H": H,
+            "nh": nh,
+            "nkv": args.get("num_query_groups") if args.get("group_query_attention") else nh,
+            "d": args.get("kv_channels") or H // nh,
+            "I": args.get("ffn_hidden_size") or 4 * H,
+            "Vp": args.get("padded_vocab_size") or keys[TOP[0][1]].shape[0],
+        }
+    except KeyError as e:
+        raise PlanError(f"the checkpoint's args lack {e.args[0]}: give --hf-config", where) from None
+    out["V"] = args.get("vocab_size") or out["Vp"]
+    return out
+
+
+def _from_config(config: dict, keys: dict[str, TensorRef], where: Path) -> dict[str, int]:
+    sizes = hf_export.sizes(config, where)
+    embed = keys.get(TOP[0][1])
+    return {**sizes, "Vp": embed.shape[0] if embed is not None and embed.shape else sizes["V"]}
+
+
+def _agree(from_args: dict[str, int], config: dict, config_path: Path) -> dict[str, int]:
+    """The config's sizes where they equal the args'; a disagreement is refused."""
+    mine = hf_export.sizes(config, config_path)
+    for s in CROSS_CHECKED:
+        if mine[s] != from_args[s]:
+            key = hf_export.SYMBOLS[s]
+            raise PlanError(f"{key} is {mine[s]}, the checkpoint's args say {from_args[s]}", config_path)
+    if mine["V"] > from_args["Vp"]:
+        raise PlanError(f"vocab_size {mine['V']} exceeds the checkpoint's {from_args['Vp']} rows", config_path)
+    return {**from_args, "V": mine["V"]}
+
+
+def _refuse_features(args: dict, keys: dict, where: Path) -> None:
+    for flag, what in REFUSED_ARGS.items():
+        if args.get(flag):
+            raise PlanError(f"args.{flag} is set: {what}, which --plan {PLAN} does not convert", where)
+    if any(".mixer." in k or k.startswith("decoder.layers.mamba") for k in keys):
+        raise PlanError(f"a HybridModel (mixer blocks): --plan {PLAN} converts GPTModel checkpoints", where)
+    checks = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope"}
+    for flag, want in checks.items():
+        if flag in args and args[flag] != want:
+            raise PlanError(f"args.{flag} is {args[flag]!r}: --plan {PLAN} converts {flag} {want!r} models", where)
+
+
+def rows(kind: str | None, s: dict[str, int], interleaved: bool) -> Rows | None:
+    """Which rows of one layer's Megatron tensor make the Hugging Face one. Per query group
+    of ``step`` rows: ``nh/nkv`` query heads, one key head, one value head; RoPE pairs are
+    reordered to halves per head when Megatron rotated interleaved pairs (and so are the
+    per-head q/k norm weights, applied before RoPE)."""
+    if kind is None:
+        return None
+    if kind == "norm":
+        return Rows.rope_halves(1, s["d"]) if interleaved else None
+    hpg, d = s["nh"] // s["nkv"], s["d"]
+    step = (hpg + 2) * d
+    if kind == "vocab":
+        return Rows.span(0, s["V"])
+    if kind in ("gate", "up"):
+        return Rows.span(0, s["I"]) if kind == "gate" else Rows.span(s["I"], 2 * s["I"])
+    first, heads = {"q": (0, hpg), "k": (hpg * d, 1), "v": ((hpg + 1) * d, 1)}[kind]
+    if interleaved and kind != "v":
+        return Rows(first, (s["nkv"], heads, 2, d // 2), (step, d, 1, 2))
+    return Rows(first, (s["nkv"], heads * d), (step, 1))
+
+
+def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config: str | None = None) -> Plan:
+    """Compile the Hugging Face export of the Megatron GPTModel checkpoint at ``path`` (a run
+    root with its tracker file, or an ``iter_*`` folder). Only cast rules may accompany it;
+    every key, shape and size is checked before anything is written."""
+    rules = hf_export.only_casts(rules or Rules(), PLAN)
+    step = step_dir(Path(path))
+    args, iteration = read_args(step)
+    ckpt = open_checkpoint(step)
+    keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
+    _refuse_features(args, keys, step)
+    sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config)
+    bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
+    table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
+    expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
+    hf_export.compare_keys(expected, keys, f"a GPTModel ({sizes['L']} layers)", step)
+    if config is None:
+        config = _hf_config(args, sizes, bias, norms, tied)
+    else:
+        _config_fits(config, bias, norms, tied, config_path)
+    for _, key, _, exprs in (*TOP, *table, *(() if tied else (HEAD,))):
+        hf_export.check(key, keys[key], exprs, sizes, step)
+    outputs = _outputs(keys, table, sizes, bool(args.get("rotary_interleaved")), tied)
+    sources = [*(["its args"] if args else []), *([str(config_path)] if config_path else [])]
+    features = (", qkv bias" if bias else "") + (", q/k norms" if norms else "") + (", tied head" if tied else "")
+    summary = [
+        f"Megatron GPTModel, iteration {iteration}: "
+        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V"))
+        + (f" (of {sizes['Vp']} padded rows)" if sizes["Vp"] != sizes["V"] else "")
+        + features,
+        f"step: {step}; sizes from {' and '.join(sources)}",
+    ]
+    state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
+    left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
+    return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+
+
+def _sizes_and_config(
+    step: Path, args: dict, keys: dict, hf_config: str | None
+) -> tuple[dict[str, int], dict | None, Path | None]:
+    """The shape symbols, and the Hugging Face config with its path when one is given or
+    lies beside the step (required when the checkpoint holds no args)."""
+    given = hf_config is not None or (step / "config.json").is_file() or (step.parent / "config.json").is_file()
+    config_path = hf_export.find_config(step, hf_config, PLAN) if given or not args else None
+    config = hf_export.load_config(config_path) if config_path else None
+    if args:
+        sizes = _sizes(args, keys, step)
+        sizes = _agree(sizes, config, config_path) if config is not None else sizes
+    else:
+        sizes = _from_config(config, keys, config_path)
+    sizes["QKV"] = (sizes["nh"] + 2 * sizes["nkv"]) * sizes["d"]
+    return sizes, config, config_path
+
+
+def _config_fits(config: dict, bias: bool, norms: bool, tied: bool, where: Path) -> None:
+    """A given config builds the checkpoint's model: the family its features need (a
+    transformers model with biases or norms the weights lack would keep them at their init,
+    without a word), and the same head tying."""
+    want = next((HF_MODELS[k][1] for k, on in (("qk_layernorm", norms), ("add_qkv_bias", bias)) if on), HF_DEFAULT[1])
+    kind = config.get("model_type")
+    fits = not norms and bool(config.get("attention_bias")) == bias if kind == "llama" else kind == want
+    if not fits:
+        have = "a qkv bias" if bias else "q/k norms" if norms else "no qkv bias or q/k norms"
+        raise PlanError(f"model_type {kind!r} does not build this checkpoint's model ({have}: {want!r})", where)
+    if bool(config.get("tie_word_embeddings")) != tied:
+        says = "ties" if config.get("tie_word_embeddings") else "does not tie"
+        raise PlanError(f"the config {says} the output head, the checkpoint {'has no' if tied else 'has its'} "
+                        f"{HEAD[1]}", where)  # fmt: skip
+
+
+def _outputs(keys: dict, table: list, sizes: dict, interleaved: bool, tied: bool) -> list[TensorRef]:
+    """Every Hugging Face tensor as rows of the Megatron ones: the top-level ones, then per layer."""
+    out = [select(keys[key], rows(kind, sizes, interleaved), name=hf) for hf, key, kind, _ in TOP]
+    if not tied:
+        out.append(select(keys[HEAD[1]], rows(HEAD[2], sizes, interleaved), name=HEAD[0]))
+    for i in range(sizes["L"]):
+        for hf, key, kind, _ in table:
+            out.append(select(keys[key], rows(kind, sizes, interleaved), index=i, name=hf.format(i=i)))
+    return out
+
+
+def _hf_config(args: dict, s: dict[str, int], bias: bool, norms: bool, tied: bool) -> dict:
+    """The Hugging Face config of the model, from Megatron's args (no --hf-config given)."""
+    arch, model_type = next((HF_MODELS[k] for k, on in (("qk_layernorm", norms), ("add_qkv_bias", bias)) if on),
+                            HF_DEFAULT)  # fmt: skip
+    theta = args.get("rotary_base", 10000)
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": s["H"],
+        "intermediate_size": s["I"],
+        "num_attention_heads": s["nh"],
+        "num_key_value_heads": s["nkv"],
+        "head_dim": s["d"],
+        "num_hidden_layers": s["L"],
+        "vocab_size": s["V"],
+        "hidden_act": "silu",
+        "rms_norm_eps": args.get("norm_epsilon", 1e-5),
+        "max_position_embeddings": args.get("max_position_embeddings") or args.get("seq_length") or 4096,
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": tied,
+    }
+    if model_type == "llama":
+        config["attention_bias"] = bias
+    return config
+

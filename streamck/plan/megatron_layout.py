@@ -1,0 +1,60 @@
+"""megatron-core GPTModel (``torch_dist``) keys against Hugging Face's, as data.
+
+GPTModel saves each decoder tensor stacked over its layers under one key with no layer
+index (``decoder.layers.…``, leading axis L), norms under Transformer Engine's names.
+Each row: Hugging Face name (``{i}``: layer), Megatron key, which rows of it (see
+streamck.plan.megatron ROWS; None: all), its Megatron shape in the symbols of
+streamck.plan.megatron.sizes (QKV = (heads + 2 * groups) * head_dim; Vp the padded vocab).
+Sources: megatron-core 0.19.2 ``gpt_layer_specs.py`` (sharded_state_dict_keys_map),
+``attention.py`` (``get_query_key_value_tensors``: per query group, its query heads, then
+one key and one value head), ``mlp.py`` (``linear_fc1`` is [gate; up] under swiglu).
+"""
+
+LAYER = (
+    ("model.layers.{i}.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+     None, ("L", "H")),
+    ("model.layers.{i}.self_attn.q_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "q",
+     ("L", "QKV", "H")),
+    ("model.layers.{i}.self_attn.k_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "k",
+     ("L", "QKV", "H")),
+    ("model.layers.{i}.self_attn.v_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "v",
+     ("L", "QKV", "H")),
+    ("model.layers.{i}.self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight", None,
+     ("L", "H", "nh*d")),
+    ("model.layers.{i}.post_attention_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+     None, ("L", "H")),
+    ("model.layers.{i}.mlp.gate_proj.weight", "decoder.layers.mlp.linear_fc1.weight", "gate", ("L", "2*I", "H")),
+    ("model.layers.{i}.mlp.up_proj.weight", "decoder.layers.mlp.linear_fc1.weight", "up", ("L", "2*I", "H")),
+    ("model.layers.{i}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", None, ("L", "H", "I")),
+)
+# --add-qkv-bias (Qwen2's attention_bias): the same query-group split of the bias.
+QKV_BIAS = (
+    ("model.layers.{i}.self_attn.q_proj.bias", "decoder.layers.self_attention.linear_qkv.bias", "q", ("L", "QKV")),
+    ("model.layers.{i}.self_attn.k_proj.bias", "decoder.layers.self_attention.linear_qkv.bias", "k", ("L", "QKV")),
+    ("model.layers.{i}.self_attn.v_proj.bias", "decoder.layers.self_attention.linear_qkv.bias", "v", ("L", "QKV")),
+)
+# --qk-layernorm (Qwen3's q_norm / k_norm).
+QK_NORM = (
+    ("model.layers.{i}.self_attn.q_norm.weight", "decoder.layers.self_attention.q_layernorm.weight", "norm",
+     ("L", "d")),
+    ("model.layers.{i}.self_attn.k_norm.weight", "decoder.layers.self_attention.k_layernorm.weight", "norm",
+     ("L", "d")),
+)
+TOP = (
+    ("model.embed_tokens.weight", "embedding.word_embeddings.weight", "vocab", ("Vp", "H")),
+    ("model.norm.weight", "decoder.final_layernorm.weight", None, ("H",)),
+)
+HEAD = ("lm_head.weight", "output_layer.weight", "vocab", ("Vp", "H"))
+# Checkpoint entries that are not model weights.
+TRAINING_STATE = ("optimizer.", "rng_state", "common_state")
+# Megatron's args that change the layout and are refused (streamck writes no HF model for them).
+REFUSED_ARGS = {
+    "attention_output_gate": "a gated attention output (its gate rows inside linear_qkv)",
+    "num_experts": "mixture-of-experts layers",
+    "multi_latent_attention": "multi-latent attention",
+    "add_bias_linear": "biases on every linear layer",
+}
+# The Hugging Face model for a GPTModel of these features (architecture, model_type).
+HF_MODELS = {"qk_layernorm": ("Qwen3ForCausalLM", "qwen3"), "add_qkv_bias": ("Qwen2ForCausalLM", "qwen2")}
+HF_DEFAULT = ("LlamaForCausalLM", "llama")
+TRACKER = "latest_checkpointed_iteration.txt"

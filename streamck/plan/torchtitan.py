@@ -1,0 +1,147 @@
+"""``--plan torchtitan-llama3``: a torchtitan Llama 3 or dense Qwen3 step as a Hugging Face model.
+
+A torchtitan step (``checkpoint/step-N/``: native DCP, model keys at the top level beside
+``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state``) becomes what
+torchtitan's ``convert_to_hf.py`` writes, in one streaming pass: renamed per
+``torchtitan_layout``, the query and key rows of Llama 3 reordered from torchtitan's
+interleaved RoPE pairs to Hugging Face's rotate-half halves (Qwen3 needs none), the
+output head left out when the config ties it. The sizes come from the model's
+Hugging Face config (``--hf-config``, or ``config.json`` beside the step), which is
+written beside the weights with its dtype set to theirs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from streamck.errors import PlanError
+from streamck.plan import hf_export
+from streamck.plan.compile import Plan
+from streamck.plan.rules import Rules
+from streamck.plan.torchtitan_layout import FAMILIES, HEAD, LAYER, QK_NORM, TOP, TRAINING_STATE, VERSIONS
+from streamck.source import Checkpoint, TensorRef, open_checkpoint
+from streamck.source.layout import DCP_METADATA
+from streamck.source.select import Rows, select
+
+PLAN = "torchtitan-llama3"
+# Config flags for biases that torchtitan's Llama 3 and Qwen3 never have.
+BIAS_FLAGS = ("attention_bias", "mlp_bias")
+# Bytes of a tied head compared with the embedding (see _same_head).
+HEAD_SAMPLE = 1 << 16
+
+
+def _step_dir(path: Path) -> Path:
+    """``path`` itself when it is a DCP step; a ``checkpoint/`` folder of ``step-N`` is
+    refused with the steps it holds (which one to convert is the user's choice)."""
+    if (path / DCP_METADATA).is_file():
+        return path
+    steps = sorted((p for p in path.glob("step-*") if (p / DCP_METADATA).is_file()), key=lambda p: p.name)
+    if steps:
+        names = ", ".join(p.name for p in steps)
+        raise PlanError(f"holds torchtitan steps ({names}): give one of them, e.g. {path / steps[-1].name}", path)
+    raise PlanError(f"is not a torchtitan step (no {DCP_METADATA}: torchtitan saves checkpoint/step-N/)", path)
+
+
+def _version(names: set[str], where: Path) -> int:
+    """Which column of the layout names this checkpoint's keys (1: torchtitan 0.3, 2: 0.2)."""
+    for column, (_, key) in enumerate(VERSIONS.items(), start=1):
+        if key in names:
+            return column
+    keys = " or ".join(VERSIONS.values())
+    raise PlanError(f"has no {keys}: not a torchtitan Llama 3 / Qwen3 checkpoint", where)
+
+
+def _family(config: dict, names: set[str], column: int, where: Path, config_path: Path) -> tuple[bool, bool]:
+    """(permute q/k, has q/k norms) for the config's model_type, checked against the keys."""
+    kind = config.get("model_type")
+    if kind not in FAMILIES:
+        known = ", ".join(FAMILIES)
+        raise PlanError(f"model_type {kind!r}: --plan {PLAN} converts {known} (dense) models", config_path)
+    permute, norms = FAMILIES[kind]
+    biased = [k for k in BIAS_FLAGS if config.get(k) is True]
+    if biased:  # transformers would build biases the weights lack and keep them at zero, without a word
+        raise PlanError(f"{', '.join(biased)}: true, but torchtitan's {kind} has no biases", config_path)
+    has_norms = QK_NORM[0][column].format(i=0) in names
+    if has_norms != norms:
+        says = "has" if has_norms else "has no"
+        raise PlanError(f"{says} q_norm/k_norm weights, but the config's model_type is {kind!r}", where)
+    return permute, norms
+
+
+def _rows(kind: str | None, sizes: dict[str, int], name: str, where: Path) -> Rows | None:
+    """The row order a q or k weight is written in: interleaved pairs to halves per head."""
+    if kind is None:
+        return None
+    if sizes["d"] % 2:
+        raise PlanError(f"{name}: head_dim {sizes['d']} is odd; RoPE pairs need an even one", where)
+    return Rows.rope_halves(sizes["nh" if kind == "q" else "nkv"], sizes["d"])
+
+
+def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config: str | None = None) -> Plan:
+    """Compile the Hugging Face export of the torchtitan step at ``path``. Only cast rules
+    may accompany it; every key, shape and the config are checked before anything is written."""
+    rules = hf_export.only_casts(rules or Rules(), PLAN)
+    step = _step_dir(Path(path))
+    config_path = hf_export.find_config(step, hf_config, PLAN)
+    config = hf_export.load_config(config_path)
+    sizes = hf_export.sizes(config, config_path)
+    ckpt = open_checkpoint(step)
+    model = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
+    column = _version(set(model), step)
+    permute, norms = _family(config, set(model), column, step, config_path)
+    tied = config.get("tie_word_embeddings") is True
+    rows = [*TOP]
+    for i in range(sizes["L"]):
+        layer = [*LAYER, *(QK_NORM if norms else ())]
+        rows += [(r[0].format(i=i), r[1].format(i=i), r[2].format(i=i), *r[3:]) for r in layer]
+    head_key = HEAD[column]
+    optional = {head_key} if tied else set()  # torchtitan saves the tied head under both names
+    hf_export.compare_keys([r[column] for r in rows] + ([] if tied else [head_key]), set(model) - optional,
+                           f"a {sizes['L']}-layer torchtitan {config['model_type']} (from {config_path.name})", step)
+    if not tied:
+        rows.append(HEAD)
+    elif head_key in model:
+        _same_head(model[head_key], model[TOP[0][column]], config_path)
+    outputs = [_output(model[r[column]], r, sizes, permute, step) for r in rows]
+    summary = [
+        f"torchtitan {list(VERSIONS)[column - 1]} {config['model_type']}: "
+        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V"))
+        + (", tied head left out" if tied else ""),
+        f"step: {step}; sizes from {config_path}",
+        "q/k rows: RoPE pairs to halves" if permute else "q/k rows as stored (rotate-half already)",
+    ]
+    left = _left_out(ckpt, model, len(outputs), tied and head_key in model)
+    return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+
+
+def _output(ref: TensorRef, row: tuple, sizes: dict[str, int], permute: bool, where: Path) -> TensorRef:
+    """The Hugging Face tensor of one layout row from ``ref``, its shape checked first."""
+    hf_name, *_, kind, exprs = row
+    hf_export.check(ref.name, ref, exprs, sizes, where)
+    order = _rows(kind, sizes, ref.name, where) if permute else None
+    return select(ref, order, name=hf_name)
+
+
+def _same_head(head: TensorRef, embed: TensorRef, config_path: Path) -> None:
+    """A config that ties the head, for a checkpoint whose head is not its embedding, is
+    another model's: leaving the head out would change the model. The first rows tell."""
+    from streamck.source.reader import Reader
+
+    size = min(HEAD_SAMPLE, head.nbytes)
+    with Reader(chunk=size or 1) as reader:
+        a, b = (bytes(next(iter(reader.windows(r, size)), b"")) for r in (head, embed))
+    if head.shape != embed.shape or head.dtype != embed.dtype or a != b:
+        raise PlanError(
+            f"tie_word_embeddings is true, but {head.name} is not {embed.name} in this checkpoint: "
+            "the config is not this model's",
+            config_path,
+        )
+
+
+def _left_out(ckpt: Checkpoint, model: dict, written: int, tied_head: bool) -> str:
+    state = sorted({n.split(".")[0] for n in ckpt.tensors if n not in model})
+    parts = [f"training state ({', '.join(state)})"] if state else []
+    if tied_head:
+        parts.append("lm_head.weight (tied: transformers ties it again on load)")
+    return f"{written} model tensors to write; left out: " + ("; ".join(parts) or "nothing")

@@ -1,0 +1,49 @@
+"""torchtitan's Llama 3 / Qwen3 (dense) parameter names against Hugging Face's, as data.
+
+Each row: Hugging Face name, torchtitan 0.3 name, torchtitan 0.2 name, the row
+permutation it needs (``q``/``k``: RoPE pairs to halves, over the query or key/value
+heads; None: rows as stored), and its shape in the config's symbols
+(streamck.plan.hf_export.SYMBOLS). ``{i}`` is the layer index.
+Sources: torchtitan 0.3.0 ``models/llama3/state_dict_adapter.py`` and
+``models/qwen3/state_dict_adapter.py`` (``from_hf_map``); 0.2 kept q/k/v directly under
+``attention`` (``layers.{i}.attention.wq.weight``).
+"""
+
+LAYER = (
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.qkv_linear.wq.weight",
+     "layers.{i}.attention.wq.weight", "q", ("nh*d", "H")),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.attention.qkv_linear.wk.weight",
+     "layers.{i}.attention.wk.weight", "k", ("nkv*d", "H")),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.attention.qkv_linear.wv.weight",
+     "layers.{i}.attention.wv.weight", None, ("nkv*d", "H")),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight",
+     "layers.{i}.attention.wo.weight", None, ("H", "nh*d")),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight",
+     "layers.{i}.feed_forward.w1.weight", None, ("I", "H")),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight",
+     "layers.{i}.feed_forward.w3.weight", None, ("I", "H")),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight",
+     "layers.{i}.feed_forward.w2.weight", None, ("H", "I")),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight",
+     "layers.{i}.attention_norm.weight", None, ("H",)),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight",
+     "layers.{i}.ffn_norm.weight", None, ("H",)),
+)
+# Qwen3's per-head norms of q and k (its RoPE is rotate-half already: no permutation).
+QK_NORM = (
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.attention.q_norm.weight",
+     "layers.{i}.attention.q_norm.weight", None, ("d",)),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.attention.k_norm.weight",
+     "layers.{i}.attention.k_norm.weight", None, ("d",)),
+)
+TOP = (
+    ("model.embed_tokens.weight", "tok_embeddings.weight", "tok_embeddings.weight", None, ("V", "H")),
+    ("model.norm.weight", "norm.weight", "norm.weight", None, ("H",)),
+)
+HEAD = ("lm_head.weight", "lm_head.weight", "output.weight", None, ("V", "H"))
+# Which key names which version: the first layer's query weight.
+VERSIONS = {"0.3": LAYER[0][1].format(i=0), "0.2": LAYER[0][2].format(i=0)}
+# The families, by the Hugging Face config's model_type: (permute q/k, has q/k norms).
+FAMILIES = {"llama": (True, False), "qwen3": (False, True)}
+# Top-level checkpoint entries that are training state, never model weights.
+TRAINING_STATE = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
