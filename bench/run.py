@@ -697,6 +697,9 @@ def case_lora(a: argparse.Namespace, tmp: Path) -> str:
         "streamck --merge-lora (LoRA)": lambda o: streamck(
             "rewrite", str(base), "-o", str(o), "--merge-lora", str(lora), "-q"
         ),
+        "streamck --merge-lora --merge-engine numpy (LoRA)": lambda o: streamck(
+            "rewrite", str(base), "-o", str(o), "--merge-lora", str(lora), "--merge-engine", "numpy", "-q"
+        ),
         "PEFT merge_and_unload + save_pretrained (DoRA)": lambda o: [PY, peft, "peft", str(base), str(dora), str(o)],
         "streamck --merge-lora (DoRA)": lambda o: streamck(
             "rewrite", str(base), "-o", str(o), "--merge-lora", str(dora), "-q"
@@ -726,6 +729,9 @@ def case_lora(a: argparse.Namespace, tmp: Path) -> str:
             "rewrite", str(big), "-o", str(o), "--merge-lora", str(b_lora), "-q"
         ),
     }
+    large["streamck --merge-lora --merge-engine numpy (LoRA)"] = lambda o: streamck(
+        "rewrite", str(big), "-o", str(o), "--merge-lora", str(b_lora), "--merge-engine", "numpy", "-q"
+    )
     big_runs = contend(large, out, a.reps, a.settle, (big, b_lora))
     _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
     return (
