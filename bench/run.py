@@ -671,6 +671,8 @@ def case_clone(a: argparse.Namespace, tmp: Path) -> str:
         f"F32 checkpoints, largest tensor {a.embed}, `--strip-prefix model.`; walls include interpreter start. "
         f"{a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n" + "\n\n".join(parts)
     )
+
+
 def _lora_inputs(tmp: Path, size: int, kinds: tuple[str, ...] = ("lora", "dora")) -> tuple[Path, ...]:
     """A bf16 Llama base of ``size`` bytes and PEFT adapters on every linear (LoRA, DoRA; r=16)."""
     make = [PY, str(HERE / "lora_ckpt.py")]
@@ -696,6 +698,9 @@ def case_lora(a: argparse.Namespace, tmp: Path) -> str:
         "PEFT merge_and_unload + save_pretrained (LoRA)": lambda o: [PY, peft, "peft", str(base), str(lora), str(o)],
         "streamck --merge-lora (LoRA)": lambda o: streamck(
             "rewrite", str(base), "-o", str(o), "--merge-lora", str(lora), "-q"
+        ),
+        "streamck --merge-lora --merge-engine numpy (LoRA)": lambda o: streamck(
+            "rewrite", str(base), "-o", str(o), "--merge-lora", str(lora), "--merge-engine", "numpy", "-q"
         ),
         "PEFT merge_and_unload + save_pretrained (DoRA)": lambda o: [PY, peft, "peft", str(base), str(dora), str(o)],
         "streamck --merge-lora (DoRA)": lambda o: streamck(
@@ -726,6 +731,9 @@ def case_lora(a: argparse.Namespace, tmp: Path) -> str:
             "rewrite", str(big), "-o", str(o), "--merge-lora", str(b_lora), "-q"
         ),
     }
+    large["streamck --merge-lora --merge-engine numpy (LoRA)"] = lambda o: streamck(
+        "rewrite", str(big), "-o", str(o), "--merge-lora", str(b_lora), "--merge-engine", "numpy", "-q"
+    )
     big_runs = contend(large, out, a.reps, a.settle, (big, b_lora))
     _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
     return (

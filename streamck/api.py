@@ -59,11 +59,13 @@ def build_plan(
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
     lora_any_base: bool = False,
+    merge_engine: str | None = None,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
     to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``lora_any_base``
-    skips the check that it was trained on this base), see streamck.plan.lora.
+    skips the check that it was trained on this base; ``merge_engine="numpy"`` merges without
+    torch, not bit for bit), see streamck.plan.lora.
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
@@ -99,18 +101,31 @@ def build_plan(
         raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
-    return compiled if merge_lora is None else _merge_lora(compiled, merge_lora, safe_merge, lora_any_base)
+    if merge_lora is None:
+        return compiled
+    return _merge_lora(compiled, merge_lora, safe_merge, lora_any_base, merge_engine)
 
 
-def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool) -> Plan:
-    """``plan`` with the adapter merged in; torch (which computes the merge) checked first."""
-    from streamck.plan.lora import merge_lora
+def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
+    """``plan`` with the adapter merged in: by torch (PEFT's bits) when it is installed, else
+    by numpy (not bit for bit), which the plan's summary and notices say."""
+    from streamck.plan.lora import ENGINES, merge_lora
 
-    try:
-        import torch  # noqa: F401
-    except ModuleNotFoundError:
-        raise UsageError("--merge-lora needs torch, which is not installed: pip install 'streamck[cast]'") from None
-    return merge_lora(plan, adapter, safe_merge=safe_merge, any_base=any_base)
+    if engine is not None and engine not in ENGINES:
+        raise UsageError(f"--merge-engine {engine}: one of {', '.join(ENGINES)}")
+    note = None
+    if engine in (None, "torch"):
+        try:
+            import torch  # noqa: F401
+        except ModuleNotFoundError:
+            if engine == "torch":
+                raise UsageError("--merge-engine torch: torch is not installed: pip install 'streamck[cast]'") from None
+            note = "torch is not installed: merging with numpy, not bit for bit (see --merge-engine)"
+    engine = engine or ("numpy" if note else "torch")
+    merged = merge_lora(plan, adapter, safe_merge=safe_merge, any_base=any_base, engine=engine)
+    if note:
+        merged.notices.append(note)
+    return merged
 
 
 def rewrite(
@@ -142,6 +157,7 @@ def rewrite(
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
     lora_any_base: bool = False,
+    merge_engine: str | None = None,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -190,6 +206,7 @@ def rewrite(
         merge_lora=merge_lora,
         safe_merge=safe_merge,
         lora_any_base=lora_any_base,
+        merge_engine=merge_engine,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(

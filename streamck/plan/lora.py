@@ -32,6 +32,10 @@ from streamck.plan.lora_config import LoraConfig, read_config, weights_file
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
 
 PREFIX = "base_model.model."
+ENGINES = {
+    "torch": "torch fp32 on the CPU, PEFT's bits",
+    "numpy": "numpy fp32: not bit for bit, a few values may differ from PEFT's in their last bits",
+}
 _PART = re.compile(
     r"(?P<module>.+?)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|base_layer)"
     r"(?:\.(?!weight$|bias$)(?P<adapter>[^.]+))?(?:\.(?P<param>weight|bias))?"
@@ -65,13 +69,18 @@ class LoraMerge:
     round_delta: bool = False
     magnitude: TensorRef | None = None
     safe: bool = False
+    engine: str = "torch"
 
 
-def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any_base: bool = False) -> Plan:
+def merge_lora(
+    plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any_base: bool = False, engine: str = "torch"
+) -> Plan:
     """``plan`` with the adapter at ``adapter`` (a folder holding adapter_config.json and
     adapter_model.safetensors) merged in. ``safe_merge`` is PEFT's: the delta rounded to the
     base dtype before the add, and a non-finite result an error. ``any_base`` skips the check
-    that the adapter's ``base_model_name_or_path`` names this base. Raises PlanError."""
+    that the adapter's ``base_model_name_or_path`` names this base. ``engine="numpy"`` computes
+    without torch, not bit for bit (streamck.writer.merge_np).
+    Raises PlanError."""
     adapter = Path(adapter)
     config = read_config(adapter)
     source = open_checkpoint(weights_file(adapter))
@@ -101,6 +110,8 @@ def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any
             merged[name] = new
     merged.update(_placed_copies(copies, base, tied, source.path))
     untie = bool(tied) and any(name in (HEAD, tied) for name in copies)
+    if engine != "torch":
+        merged = {k: v if isinstance(v, TensorRef) else (v[0], replace(v[1], engine=engine)) for k, v in merged.items()}
     for name, new in merged.items():
         i = by_source.get(name)
         if i is not None:  # else the rules dropped it
@@ -110,7 +121,7 @@ def merge_lora(plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any
         _untie(plan, tensors, tied, copies, by_source)
         if "config.json" in side:
             side["config.json"] = (json.dumps({**base_config, "tie_word_embeddings": False}, indent=2) + "\n").encode()
-    summary = _summary(adapter, config, modules, copies, untie)
+    summary = _summary(adapter, config, modules, copies, untie, engine)
     return replace(plan, tensors=tensors, summary=[*plan.summary, *summary], side_files=side)
 
 
@@ -306,11 +317,11 @@ def _check_base_name(config: LoraConfig, base: Checkpoint) -> None:
         )
 
 
-def _summary(adapter: Path, config: LoraConfig, modules: dict, copies: dict, untie: bool) -> list[str]:
+def _summary(adapter: Path, config: LoraConfig, modules: dict, copies: dict, untie: bool, engine: str) -> list[str]:
     kind = "DoRA" if config.use_dora else "rsLoRA" if config.use_rslora else "LoRA"
     lines = [
         f"merging {kind} adapter {adapter}: {len(modules)} modules (r={config.r}, alpha={config.lora_alpha}), "
-        f"torch fp32 on the CPU"
+        + ENGINES[engine]
     ]
     if copies:
         lines.append(f"replaced by the adapter's saved copies: {listing(sorted(copies), 5)}")

@@ -208,10 +208,10 @@ class ShardWriter:
             self.overflow[t.name] = overflow
 
     def merged(self, t: OutputTensor) -> Iterator[memoryview]:
-        """A computed tensor's bytes (a LoRA merge, which imports torch)."""
-        from streamck.writer.merge import merged_pieces
+        """A computed tensor's bytes (a LoRA merge, in torch or numpy)."""
+        from streamck.writer.merge_np import computed_pieces
 
-        return merged_pieces(t, self.reader, self.chunk, self._merge_space)
+        return computed_pieces(t, self.reader, self.chunk, self._merge_space)
 
     def cpu_caster(self):
         """A CPU caster: this run's own when it casts on the CPU, else one made on first use."""

@@ -25,9 +25,9 @@ def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iter
     """What ``t`` should hold, in bounded pieces: its source's bytes, a fresh CPU cast, or
     its merge computed again (deterministic: the same blocks in the same order)."""
     if t.merge is not None:
-        from streamck.writer.merge import merged_pieces
+        from streamck.writer.merge_np import computed_pieces
 
-        yield from merged_pieces(t, reader, reader.chunk)
+        yield from computed_pieces(t, reader, reader.chunk)
         return
     if not t.is_cast:
         yield from reader.windows(t.source)
