@@ -116,7 +116,7 @@ def _compile(args: argparse.Namespace):
         hf_config=args.hf_config,
         merge_lora=args.merge_lora,
         safe_merge=args.safe_merge,
-        lora_any_base=args.merge_lora_any_base,
+        merge_lora_any_base=args.merge_lora_any_base,
         merge_engine=args.merge_engine,
     )
     if plan.source is not None:
