@@ -64,6 +64,10 @@ def test_saved_copy_takes_the_base_dtype(base, f32_copies, tmp_path):
         got = load_dir(tmp_path / engine)
         assert {t.dtype for t in got.values()} == {torch.float16}
         assert torch.equal(got["model.norm.weight"], peft["model.norm.weight"].to(torch.float16)), engine
+    dry = ("rewrite", base, "-o", tmp_path / "dry", "--merge-lora", adapter, "--dtype", "f16", "--dry-run")
+    listing = cli(*dry, check=0).stdout
+    row = next(line.split() for line in listing.splitlines() if " model.norm.weight " in line)
+    assert row[:3] == ["base_model.model.model.norm.weight", "model.norm.weight", "F32->F16"], row
 
 
 def test_untied_head_takes_the_embedding_output_dtype(root, tmp_path):
