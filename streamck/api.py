@@ -58,12 +58,12 @@ def build_plan(
     hf_config: str | os.PathLike | None = None,
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
-    lora_any_base: bool = False,
+    merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
-    to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``lora_any_base``
+    to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``merge_lora_any_base``
     skips the check that it was trained on this base; ``merge_engine="numpy"`` merges without
     torch, not bit for bit), see streamck.plan.lora.
 
@@ -73,6 +73,11 @@ def build_plan(
     """
     if merge_lora is not None and plan is not None and os.fspath(plan) in BUILTIN_PLANS:
         raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {plan}")
+    lora_flags = {"--safe-merge": safe_merge, "--merge-engine": merge_engine}
+    lora_flags["--merge-lora-any-base"] = merge_lora_any_base
+    stray = [flag for flag, value in lora_flags.items() if value not in (None, False)]
+    if merge_lora is None and stray:
+        raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
     given = Rules(rules_from(rules) + extra, dtype)
     if plan is not None and os.fspath(plan) in BUILTIN_PLANS:
@@ -103,7 +108,7 @@ def build_plan(
     compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
     if merge_lora is None:
         return compiled
-    return _merge_lora(compiled, merge_lora, safe_merge, lora_any_base, merge_engine)
+    return _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
 
 
 def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
@@ -156,7 +161,7 @@ def rewrite(
     hf_config: str | os.PathLike | None = None,
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
-    lora_any_base: bool = False,
+    merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
@@ -205,7 +210,7 @@ def rewrite(
         hf_config=hf_config,
         merge_lora=merge_lora,
         safe_merge=safe_merge,
-        lora_any_base=lora_any_base,
+        merge_lora_any_base=merge_lora_any_base,
         merge_engine=merge_engine,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size

@@ -116,7 +116,7 @@ def _compile(args: argparse.Namespace):
         hf_config=args.hf_config,
         merge_lora=args.merge_lora,
         safe_merge=args.safe_merge,
-        lora_any_base=args.merge_lora_any_base,
+        merge_lora_any_base=args.merge_lora_any_base,
         merge_engine=args.merge_engine,
     )
     if plan.source is not None:
@@ -131,9 +131,11 @@ def _print_plan(plan) -> None:
         print(line)
     rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
     for t in plan.tensors:
-        dtype = f"{t.source.dtype}->{t.dtype}" if t.dtype != t.source.dtype else t.dtype
-        dtype += " +LoRA" if t.merge is not None else ""
-        rows.append((t.source.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
+        copy = t.merge is not None and t.merge.kind == "copy"  # a saved copy, rounded to the base's dtype
+        src = t.merge.b if copy else t.source
+        dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
+        dtype += " +LoRA" if t.merge is not None and not copy else ""
+        rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
     table(rows)
     src = plan.source
     dropped = len(src.tensors) - len(plan.tensors) if src else 0

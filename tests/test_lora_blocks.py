@@ -9,6 +9,7 @@ import torch
 from lora_fixtures import make_adapter, make_base, peft_merge
 from test_lora import assert_same
 
+import streamck.writer.merge
 from streamck import write_plan
 from streamck.api import build_plan
 from streamck.writer.merge import BLOCK_ROWS, one_thread, row_blocks
@@ -59,8 +60,9 @@ def wide_base(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("r", "dora"), [(64, False), (128, True), (256, False)])
-def test_high_rank_against_peft(wide_base, tmp_path, r, dora):
+def test_high_rank_against_peft(wide_base, tmp_path, monkeypatch, r, dora):
     adapter = make_adapter(wide_base, tmp_path / "adapter", r=r, lora_alpha=2 * r, use_dora=dora)
     want = peft_merge(wide_base, adapter, tmp_path / "peft")
-    write_plan(build_plan(wide_base, merge_lora=adapter), tmp_path / "out", chunk=4096)
+    monkeypatch.setattr(streamck.writer.merge, "MERGE_CHUNK", 4096)  # every tensor in several blocks
+    write_plan(build_plan(wide_base, merge_lora=adapter), tmp_path / "out")
     assert_same(tmp_path / "out", want)

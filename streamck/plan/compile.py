@@ -6,6 +6,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamck.dtypes import CASTABLE, TORCH_NAMES, nbytes
 from streamck.errors import PlanError, listing
@@ -13,6 +14,9 @@ from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
 from streamck.source.header import METADATA_KEY
 from streamck.source.layout import side_files
+
+if TYPE_CHECKING:  # lora imports this module
+    from streamck.plan.lora import LoraMerge
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +27,7 @@ class OutputTensor:
     source: TensorRef
     dtype: str
     # Set when the bytes are computed, not copied or cast: a LoRA merge (streamck.plan.lora.LoraMerge).
-    merge: object | None = None
+    merge: LoraMerge | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -58,7 +58,9 @@ class LoraMerge:
       an embedding, or ``fan_in_fan_out``), rounded once to W's dtype; with ``round_delta``
       (embeddings, safe_merge) the delta is rounded to W's dtype before the add;
       with ``magnitude`` (DoRA) the sum S is scaled per row by magnitude / ‖S‖₂;
-    - ``bias``: W + b * scale, ``b`` being lora_B's bias (``a`` is None).
+    - ``bias``: W + b * scale, ``b`` being lora_B's bias (``a`` is None);
+    - ``copy``: ``b`` (a saved copy) rounded to W's dtype, as PEFT loads it into the base's
+      module, then cast to the output dtype (only where both roundings change it).
     """
 
     kind: str
@@ -108,17 +110,20 @@ def merge_lora(
             if name in merged:
                 raise PlanError(f"the adapter changes {name} twice (both halves of a tied pair?)", source.path)
             merged[name] = new
-    merged.update(_placed_copies(copies, base, tied, source.path))
+    for name, ref in _placed_copies(copies, base, tied, source.path).items():
+        if name in merged:
+            raise PlanError(f"the adapter changes {name} twice (a LoRA and a saved copy of it)", source.path)
+        merged[name] = ref
     untie = bool(tied) and any(name in (HEAD, tied) for name in copies)
     if engine != "torch":
         merged = {k: v if isinstance(v, TensorRef) else (v[0], replace(v[1], engine=engine)) for k, v in merged.items()}
     for name, new in merged.items():
         i = by_source.get(name)
         if i is not None:  # else the rules dropped it
-            tensors[i] = _replace(tensors[i], new, source.path)
+            tensors[i] = _replace(tensors[i], new, source.path, engine)
     side = dict(plan.side_files)
     if untie:
-        _untie(plan, tensors, tied, copies, by_source)
+        _untie(plan, tensors, tied, copies, by_source, engine)
         if "config.json" in side:
             side["config.json"] = (json.dumps({**base_config, "tie_word_embeddings": False}, indent=2) + "\n").encode()
     summary = _summary(adapter, config, modules, copies, untie, engine)
@@ -221,6 +226,9 @@ def _module_outputs(module, parts, config, base, tied, safe_merge, where):
     merge = LoraMerge("linear", b, a, scale, transposed, embedding or safe_merge, magnitude, safe_merge)
     yield target, (w, merge)
     bias = parts.get("lora_B.bias")
+    if (bias is not None) != config.lora_bias:
+        has = "has" if bias is not None else "has no"
+        raise PlanError(f"{module}: lora_B {has} a bias, and lora_bias is {config.lora_bias}", where)
     if bias is not None:
         bias_name = f"{module}.bias"
         if bias_name not in base.tensors:
@@ -255,7 +263,7 @@ def _check_rows(where: Path, a: TensorRef, w: TensorRef) -> None:
         )
 
 
-def _replace(t: OutputTensor, new, where: Path) -> OutputTensor:
+def _replace(t: OutputTensor, new, where: Path, engine: str) -> OutputTensor:
     """``t`` computed from ``new``: a copy's TensorRef, or (W, LoraMerge)."""
     ref, merge = (new, None) if isinstance(new, TensorRef) else new
     if merge is None and ref.shape != t.source.shape:
@@ -264,8 +272,18 @@ def _replace(t: OutputTensor, new, where: Path) -> OutputTensor:
             "(a resized vocabulary, or another base); refusing",
             where,
         )
-    dtype = t.dtype if t.is_cast else ref.dtype if merge is None else t.source.dtype
-    return OutputTensor(t.name, ref, dtype, merge)
+    if merge is None:
+        return _copy(t.name, t.source, ref, t.dtype, engine)
+    return OutputTensor(t.name, ref, t.dtype, merge)
+
+
+def _copy(name: str, base: TensorRef, ref: TensorRef, dtype: str, engine: str) -> OutputTensor:
+    """A saved copy ``ref`` in place of ``base``, written in ``dtype`` (the base tensor's output
+    dtype): PEFT loads the copy into the base's module, so it is rounded to the base's dtype
+    first, and --dtype/--cast apply to that; a plain cast when one rounding is all it takes."""
+    if ref.dtype == base.dtype or dtype == base.dtype:
+        return OutputTensor(name, ref, dtype)
+    return OutputTensor(name, base, dtype, LoraMerge("copy", ref, engine=engine))
 
 
 def _tied(base: Checkpoint, config: dict) -> str | None:
@@ -286,17 +304,15 @@ def _base_config(plan: Plan, base: Checkpoint) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def _untie(plan: Plan, tensors: list, embed: str, copies: dict, by_source: dict) -> None:
+def _untie(plan: Plan, tensors: list, embed: str, copies: dict, by_source: dict, engine: str) -> None:
     """A modules_to_save copy of one half of a tied pair unties them, as PEFT writes the merge:
     the other half gets the base's shared tensor under its own name, and the copied config
     says ``tie_word_embeddings: false``."""
-    if HEAD in copies:
-        tensors.append(OutputTensor(HEAD, copies[HEAD], copies[HEAD].dtype))
-    else:
-        i = by_source.get(embed)
-        shared = plan.source.tensors[embed]
-        dtype = tensors[i].dtype if i is not None else shared.dtype
-        tensors.append(OutputTensor(HEAD, shared, dtype))
+    i = by_source.get(embed)
+    shared = plan.source.tensors[embed]
+    # Both halves are the one base tensor's module in PEFT: the head takes the embedding output's dtype.
+    dtype = tensors[i].dtype if i is not None else shared.dtype
+    tensors.append(_copy(HEAD, shared, copies.get(HEAD, shared), dtype, engine))
     tensors.sort(key=lambda t: t.name)
 
 

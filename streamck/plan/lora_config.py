@@ -2,7 +2,7 @@
 
 Only what changes the merged weights matters here: the rank and alpha of each module
 (``rank_pattern`` / ``alpha_pattern`` matched as peft.utils.other.get_pattern_key matches
-them), rsLoRA's scaling, ``fan_in_fan_out``, DoRA, ``lora_bias``, ``modules_to_save``. The
+them), rsLoRA's scaling, ``fan_in_fan_out``, DoRA, ``lora_bias``. The
 settings whose merge streamck does not reproduce are refused, each with its reason.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from streamck.errors import PlanError
@@ -43,38 +43,55 @@ class LoraConfig:
     r: int
     lora_alpha: float
     use_rslora: bool = False
-    rank_pattern: dict[str, int] = field(default_factory=dict)
-    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    # (compiled key, value) in the file's order: PEFT takes the first key that matches.
+    rank_pattern: tuple[tuple[re.Pattern, int], ...] = ()
+    alpha_pattern: tuple[tuple[re.Pattern, float], ...] = ()
     fan_in_fan_out: bool = False
     use_dora: bool = False
     lora_bias: bool = False
-    modules_to_save: tuple[str, ...] = ()
     ensure_weight_tying: bool = False
     base_model_name_or_path: str | None = None
 
     def rank(self, module: str) -> int:
         """The rank PEFT gives ``module`` (its path in the base model, ``model.layers.0.mlp.up_proj``)."""
-        return self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
+        return _matched(self.rank_pattern, module, self.r)
 
     def scaling(self, module: str) -> float:
         """PEFT's ``scaling[adapter]`` for ``module``: alpha / r, or alpha / sqrt(r) with rsLoRA
         (a Python float; the merge multiplies an fp32 tensor by it, which rounds it to fp32)."""
         r = self.rank(module)
-        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha)
+        alpha = _matched(self.alpha_pattern, module, self.lora_alpha)
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
-    def saves(self, module: str) -> bool:
-        """Whether ``module`` is one of ``modules_to_save`` (PEFT matches the name or a dotted suffix)."""
-        return any(module == m or module.endswith("." + m) for m in self.modules_to_save)
+
+def _matched(patterns: tuple, module: str, default):
+    """peft.utils.other.get_pattern_key: the value of the first key, in the file's order, that
+    matches the end of the module path at a dot (``(.*\\.)?(key)$``); else ``default``."""
+    return next((value for key, value in patterns if key.match(module)), default)
 
 
-def _pattern_key(patterns: dict, module: str) -> str:
-    """peft.utils.other.get_pattern_key: the first key, in the file's order, that matches the
-    end of the module path at a dot (``(.*\\.)?(key)$``); else the path itself."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return module
+def _rank(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _alpha(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _patterns(raw: dict, field_name: str, valid, what: str, path: Path) -> tuple:
+    """``raw[field_name]`` ({regex: value}) with each key compiled once as PEFT matches it."""
+    given = raw.get(field_name) or {}
+    if not isinstance(given, dict):
+        raise PlanError(f"{field_name} is not a JSON object", path)
+    out = []
+    for key, value in given.items():
+        if not valid(value):
+            raise PlanError(f"{field_name}[{key!r}] is {value!r}, not {what}", path)
+        try:
+            out.append((re.compile(rf"(.*\.)?({key})$"), value))
+        except re.error as e:
+            raise PlanError(f"{field_name} key {key!r} is not a valid regular expression: {e}", path) from None
+    return tuple(out)
 
 
 def read_config(adapter: Path) -> LoraConfig:
@@ -94,23 +111,25 @@ def read_config(adapter: Path) -> LoraConfig:
     for key, what in REFUSED.items():
         if raw.get(key):
             raise PlanError(f"{key} is set: {what} is not supported by --merge-lora", path)
-    try:
-        return LoraConfig(
-            path=path,
-            r=int(raw["r"]),
-            lora_alpha=raw["lora_alpha"],
-            use_rslora=bool(raw.get("use_rslora")),
-            rank_pattern=dict(raw.get("rank_pattern") or {}),
-            alpha_pattern=dict(raw.get("alpha_pattern") or {}),
-            fan_in_fan_out=bool(raw.get("fan_in_fan_out")),
-            use_dora=bool(raw.get("use_dora")),
-            lora_bias=bool(raw.get("lora_bias")),
-            modules_to_save=tuple(raw.get("modules_to_save") or ()),
-            ensure_weight_tying=bool(raw.get("ensure_weight_tying")),
-            base_model_name_or_path=raw.get("base_model_name_or_path"),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise PlanError(f"missing or malformed field: {e}", path) from None
+    for key, valid, what in (("r", _rank, "a positive integer"), ("lora_alpha", _alpha, "a number")):
+        if key not in raw:
+            raise PlanError(f"has no {key}", path)
+        if not valid(raw[key]):
+            raise PlanError(f"{key} is {raw[key]!r}, not {what}", path)
+    name = raw.get("base_model_name_or_path")
+    return LoraConfig(
+        path=path,
+        r=raw["r"],
+        lora_alpha=raw["lora_alpha"],
+        use_rslora=bool(raw.get("use_rslora")),
+        rank_pattern=_patterns(raw, "rank_pattern", _rank, "a positive integer", path),
+        alpha_pattern=_patterns(raw, "alpha_pattern", _alpha, "a number", path),
+        fan_in_fan_out=bool(raw.get("fan_in_fan_out")),
+        use_dora=bool(raw.get("use_dora")),
+        lora_bias=bool(raw.get("lora_bias")),
+        ensure_weight_tying=bool(raw.get("ensure_weight_tying")),
+        base_model_name_or_path=name if isinstance(name, str) else None,
+    )
 
 
 def weights_file(adapter: Path) -> Path:

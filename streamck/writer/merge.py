@@ -7,7 +7,9 @@ of 16 rows, but not for a block of 1 to 3, 5 to 7 or 9 to 11 rows (another kerne
 those): so blocks are a multiple of 16 rows and a short last block joins the one before.
 The same holds for an embedding's blocks of columns of A. tests/test_lora_blocks.py checks
 both for r up to 256 against the whole-tensor product, and the row-wise norm DoRA takes.
-Memory is one block of W in fp32 (about ``chunk`` bytes) a few times over, plus A.
+Memory is one block of W in fp32 (about MERGE_CHUNK bytes) a few times over, plus A. The
+blocks depend on the tensor's shape only (merge_blocks), never on a writer's chunk: --verify
+computes a merge again in the same blocks, so it gets the same bits.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def row_blocks(rows: int, row_bytes: int, chunk: int) -> list[tuple[int, int]]:
     if len(edges) > 2 and edges[-1] - edges[-2] < BLOCK_ROWS:
         del edges[-2]
     return list(pairwise(edges))
+
+
+def merge_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """The row blocks every merge of a (rows, cols) tensor is computed in, by either engine."""
+    return row_blocks(rows, cols * 4, MERGE_CHUNK)
 
 
 _threads_lock = threading.Lock()
@@ -82,14 +89,14 @@ def _whole(reader: Reader, ref: TensorRef):
     return torch.frombuffer(buf, dtype=_torch_dtype(ref.dtype)).float().reshape(ref.shape) if buf else torch.empty(0)
 
 
-def merged_pieces(t: OutputTensor, reader: Reader, chunk: int, space: dict | None = None) -> Iterator[memoryview]:
+def merged_pieces(t: OutputTensor, reader: Reader, space: dict | None = None) -> Iterator[memoryview]:
     """``t``'s bytes, computed (see _merged), with torch on one thread. ``space`` keeps the
     buffers from one tensor to the next (a writer's own dict: one per thread)."""
     with one_thread():
-        yield from _merged(t, reader, chunk, {} if space is None else space)
+        yield from _merged(t, reader, {} if space is None else space)
 
 
-def _merged(t: OutputTensor, reader: Reader, chunk: int, space: dict) -> Iterator[memoryview]:
+def _merged(t: OutputTensor, reader: Reader, space: dict) -> Iterator[memoryview]:
     """``t``'s bytes, computed: W and the LoRA delta summed in fp32 as PEFT sums them, rounded
     to W's dtype, then cast to ``t.dtype`` when that differs. Each view is valid until the next."""
     m, w = t.merge, t.source
@@ -97,10 +104,13 @@ def _merged(t: OutputTensor, reader: Reader, chunk: int, space: dict) -> Iterato
         total = _whole(reader, w) + _whole(reader, m.b) * m.scale
         yield from _emit(t, total.to(_torch_dtype(w.dtype)), m.safe)
         return
+    if m.kind == "copy":
+        yield from _copied(t, reader)
+        return
     rows, cols = w.shape
     magnitude = _whole(reader, m.magnitude) if m.magnitude is not None else None
     job = _Job(m, _torch_dtype(w.dtype), cols, _whole(reader, m.a), _whole(reader, m.b), magnitude)
-    blocks = row_blocks(rows, cols * 4, min(chunk, MERGE_CHUNK))
+    blocks = merge_blocks(rows, cols)
     size = w.nbytes // max(w.numel, 1)
     slot = _slot(space, max(e - s for s, e in blocks) * cols, size, job.wdtype)
     stream = reader.stream(w)
@@ -109,6 +119,28 @@ def _merged(t: OutputTensor, reader: Reader, chunk: int, space: dict) -> Iterato
         if stream.readinto(view) != len(view):
             raise OutputError(f"{w.name} ended early", w.path)
         yield from _emit(t, job.compute(slot, start, end), m.safe)
+
+
+def copy_blocks(ref: TensorRef) -> Iterator[tuple[int, int]]:
+    """(elements, bytes) of each block a saved copy is read in: merge_blocks over its first axis."""
+    rows = ref.shape[0] if ref.shape else 1
+    cols = ref.numel // rows if rows else 0
+    size = ref.nbytes // max(ref.numel, 1)
+    for start, end in merge_blocks(rows, cols):
+        yield (end - start) * cols, (end - start) * cols * size
+
+
+def _copied(t: OutputTensor, reader: Reader) -> Iterator[memoryview]:
+    """A saved copy rounded to W's dtype, then cast to ``t.dtype``, block by block."""
+    import torch
+
+    copy, stream = t.merge.b, reader.stream(t.merge.b)
+    for _, nbytes in copy_blocks(copy):
+        buf = bytearray(nbytes)
+        if stream.readinto(memoryview(buf)) != nbytes:
+            raise OutputError(f"{copy.name} ended early", copy.path)
+        block = torch.frombuffer(buf, dtype=_torch_dtype(copy.dtype)).to(_torch_dtype(t.source.dtype))
+        yield from _emit(t, block, False)
 
 
 def _slot(space: dict, count: int, size: int, wdtype) -> _Slot:

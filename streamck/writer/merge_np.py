@@ -19,15 +19,15 @@ from streamck.errors import OutputError
 from streamck.plan import OutputTensor
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
-from streamck.writer.merge import MERGE_CHUNK, merged_pieces, row_blocks
+from streamck.writer.merge import copy_blocks, merge_blocks, merged_pieces
 from streamck.writer.npcast import NP_DTYPES, Converter
 
 
-def computed_pieces(t: OutputTensor, reader: Reader, chunk: int, space: dict | None = None) -> Iterator[memoryview]:
+def computed_pieces(t: OutputTensor, reader: Reader, space: dict | None = None) -> Iterator[memoryview]:
     """A computed tensor's bytes, by the engine its merge names (torch unless said)."""
     if t.merge.engine == "numpy":
-        return _merged(t, reader, chunk, Converter())
-    return merged_pieces(t, reader, chunk, space)
+        return _merged(t, reader, Converter())
+    return merged_pieces(t, reader, space)
 
 
 def _f32(conv: Converter, data: np.ndarray, dtype: str) -> np.ndarray:
@@ -51,7 +51,7 @@ def _rounded(conv: Converter, x: np.ndarray, dtype: str) -> np.ndarray:
     return _f32(conv, out, dtype).reshape(x.shape)
 
 
-def _merged(t: OutputTensor, reader: Reader, chunk: int, conv: Converter) -> Iterator[memoryview]:
+def _merged(t: OutputTensor, reader: Reader, conv: Converter) -> Iterator[memoryview]:
     """As streamck.writer.merge's, in buffers made once per tensor."""
     m, w = t.merge, t.source
     scale = np.float32(m.scale)
@@ -59,11 +59,14 @@ def _merged(t: OutputTensor, reader: Reader, chunk: int, conv: Converter) -> Ite
         total = _whole(reader, conv, w) + _whole(reader, conv, m.b) * scale
         yield from _emit(t, conv, total.reshape(-1), np.empty(w.nbytes, np.uint8))
         return
+    if m.kind == "copy":
+        yield from _copied(t, reader, conv)
+        return
     rows, cols = w.shape
     a, b = _whole(reader, conv, m.a), _whole(reader, conv, m.b)
     magnitude = _whole(reader, conv, m.magnitude) if m.magnitude is not None else None
     size = w.nbytes // max(w.numel, 1)
-    blocks = row_blocks(rows, cols * 4, min(chunk, MERGE_CHUNK))
+    blocks = merge_blocks(rows, cols)
     most = max(e - s for s, e in blocks) * cols
     raw, out = np.empty(most * size, np.uint8), np.empty(most * size, np.uint8)
     total, delta = np.empty(most, np.float32), np.empty(most, np.float32)
@@ -84,6 +87,21 @@ def _merged(t: OutputTensor, reader: Reader, chunk: int, conv: Converter) -> Ite
         if magnitude is not None:  # DoRA: each row to magnitude / its norm
             block *= (magnitude[start:end] / np.linalg.norm(block, axis=1))[:, None]
         yield from _emit(t, conv, total[: n * cols], out[: n * cols * size])
+
+
+def _copied(t: OutputTensor, reader: Reader, conv: Converter) -> Iterator[memoryview]:
+    """As streamck.writer.merge's: a saved copy rounded to W's dtype, then cast, block by block."""
+    copy, stream = t.merge.b, reader.stream(t.merge.b)
+    for count, nbytes in copy_blocks(copy):
+        raw = np.empty(nbytes, np.uint8)
+        if stream.readinto(memoryview(raw)) != nbytes:
+            raise OutputError(f"{copy.name} ended early", copy.path)
+        yield from _emit(
+            t,
+            conv,
+            _f32(conv, raw, copy.dtype),
+            np.empty(count * (t.source.nbytes // max(t.source.numel, 1)), np.uint8),
+        )
 
 
 def _emit(t: OutputTensor, conv: Converter, total: np.ndarray, out: np.ndarray) -> Iterator[memoryview]:

@@ -211,7 +211,7 @@ class ShardWriter:
         """A computed tensor's bytes (a LoRA merge, in torch or numpy)."""
         from streamck.writer.merge_np import computed_pieces
 
-        return computed_pieces(t, self.reader, self.chunk, self._merge_space)
+        return computed_pieces(t, self.reader, self._merge_space)
 
     def cpu_caster(self):
         """A CPU caster: this run's own when it casts on the CPU, else one made on first use."""

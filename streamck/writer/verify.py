@@ -27,7 +27,7 @@ def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iter
     if t.merge is not None:
         from streamck.writer.merge_np import computed_pieces
 
-        yield from computed_pieces(t, reader, reader.chunk)
+        yield from computed_pieces(t, reader)
         return
     if not t.is_cast:
         yield from reader.windows(t.source)
