@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import built_once
 from trainer_fixtures import VOCAB, _free_port, _gloo_backend, llama_config
 
 FIXTURE_VERSION = 2
@@ -173,10 +173,8 @@ def make_fsdp_checkpoints(root: Path) -> dict[str, dict]:
     fields and paths ``dir``, ``checkpoint`` (``checkpoint-2``), ``live`` and ``merged``
     (None but for SHARDED_STATE_DICT)."""
     base = Path(root) / f"fsdp-{_versions()}-v{FIXTURE_VERSION}"
-    if not (base / "done").exists():
-        tmp = base.with_name(base.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+
+    def build(tmp: Path) -> None:
         env = {**os.environ, "ACCELERATE_USE_CPU": "false", "ACCELERATE_TORCH_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={_free_port()}", __file__, str(tmp), "rank"]  # fmt: skip
@@ -187,9 +185,8 @@ def make_fsdp_checkpoints(root: Path) -> dict[str, dict]:
             if c["state_dict_type"] == "SHARDED_STATE_DICT":
                 _merge(tmp / c["name"])
         (tmp / "cases.json").write_text(json.dumps(cases(), indent=1))
-        (tmp / "done").write_text("ok\n")
-        shutil.rmtree(base, ignore_errors=True)
-        tmp.rename(base)
+
+    built_once(base, build)
     out = {}
     for c in json.loads((base / "cases.json").read_text()):
         d = base / c["name"]

@@ -109,3 +109,19 @@ def read_all(path: Path) -> dict[str, np.ndarray]:
 def metadata_of(path: Path) -> dict[str, str] | None:
     with safe_open(str(path), "np") as r:
         return r.metadata()
+
+
+def built_once(base: Path, build) -> Path:
+    """``base``, made by ``build(folder)`` unless an earlier session finished it: built under
+    ``base.partial`` and renamed when done, so an interrupted build is never taken for one."""
+    import shutil
+
+    if not (base / "done").exists():
+        tmp = base.with_name(base.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        build(tmp)
+        (tmp / "done").write_text("ok\n")
+        shutil.rmtree(base, ignore_errors=True)
+        tmp.rename(base)
+    return base

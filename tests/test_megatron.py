@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import built_once, cli
 
 torch = pytest.importorskip("torch")
 
@@ -33,20 +33,18 @@ def megatron(request, tmp_path_factory) -> dict[str, Path]:
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir("streamck-megatron")) if cache is not None else tmp_path_factory.mktemp("megatron")
     base = root / f"megatron-{digest}"
-    if not (base / "done").exists():
-        if not Path(MEGATRON, "megatron", "core").is_dir():
-            pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
-        tmp = base.with_name(base.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
+        pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
+
+    def build(tmp: Path) -> None:
         path = os.pathsep.join([str(BENCH), MEGATRON, os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         done = subprocess.run([sys.executable, str(BENCH / "megatron_ckpt.py"), str(tmp)], env=env,
                               capture_output=True, text=True, timeout=1200)  # fmt: skip
         if done.returncode:
             raise RuntimeError(f"megatron fixture failed:\n{done.stderr[-6000:]}")
-        (tmp / "done").write_text("ok\n")
-        shutil.rmtree(base, ignore_errors=True)
-        tmp.rename(base)
+
+    built_once(base, build)
     return {d.name: d for d in base.iterdir() if d.is_dir()}
 
 
@@ -170,9 +168,7 @@ def test_refused_before_writing(megatron, tmp_path):
     (run / "latest_checkpointed_iteration.txt").write_text("20")
     assert "latest_checkpointed_iteration.txt says '20', and there is no such iteration folder" in refused(run)
     _edit_json(run / "iter_0000010" / "metadata.json", sharded_backend="zarr")
-    assert "sharded_backend 'zarr': --plan megatron-gpt reads torch_dist checkpoints" in refused(
-        run / "iter_0000010"
-    )
+    assert "sharded_backend 'zarr': --plan megatron-gpt reads torch_dist checkpoints" in refused(run / "iter_0000010")
     (run / "latest_checkpointed_iteration.txt").unlink()
     assert "is not a Megatron dist checkpoint (no metadata.json); iterations here: iter_0000010" in refused(run)
     assert "--hf-config: no such file" in refused(megatron["gpt"], "--hf-config", tmp_path / "none.json")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import built_once, cli
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -32,17 +32,15 @@ def titan(request, tmp_path_factory) -> dict[str, Path]:
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir("streamck-titan")) if cache is not None else tmp_path_factory.mktemp("titan")
     base = root / f"titan-{digest}"
-    if not (base / "done").exists():
-        tmp = base.with_name(base.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def build(tmp: Path) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, str(BENCH / "titan_ckpt.py"), str(tmp)], env=env,
                               capture_output=True, text=True, timeout=1200)  # fmt: skip
         if done.returncode:
             raise RuntimeError(f"torchtitan fixture failed:\n{done.stderr[-6000:]}")
-        (tmp / "done").write_text("ok\n")
-        shutil.rmtree(base, ignore_errors=True)
-        tmp.rename(base)
+
+    built_once(base, build)
     return {d.name: d for d in base.iterdir() if d.is_dir()}
 
 

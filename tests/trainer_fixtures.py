@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import built_once
 
 FIXTURE_VERSION = 1
 VOCAB, DIM, FFN, LAYERS = 2048, 64, 96, 2
@@ -197,10 +198,8 @@ def make_trainer_checkpoints(root: Path) -> dict[str, dict]:
     fields and paths ``dir``, ``checkpoint`` (``checkpoint-2``), ``oracle`` (None where zero_to_fp32
     refuses the files), ``live``."""
     base = Path(root) / f"trainer-{_versions()}-v{FIXTURE_VERSION}"
-    if not (base / "done").exists():
-        tmp = base.with_name(base.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+
+    def build(tmp: Path) -> None:
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": "false", "OMP_NUM_THREADS": "1"}
         for world in sorted({c["world"] for c in cases()}):
             port = _free_port()
@@ -217,9 +216,8 @@ def make_trainer_checkpoints(root: Path) -> dict[str, dict]:
             if "data_types" not in c["extra"]:
                 _oracle(tmp / c["name"])
         (tmp / "cases.json").write_text(json.dumps(cases(), indent=1))
-        (tmp / "done").write_text("ok\n")
-        shutil.rmtree(base, ignore_errors=True)
-        tmp.rename(base)
+
+    built_once(base, build)
     out = {}
     for c in json.loads((base / "cases.json").read_text()):
         d = base / c["name"]
