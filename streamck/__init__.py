@@ -12,8 +12,7 @@ or the data flow step by step, source → plan → writer::
     write_plan(plan, "out", max_shard_size=5 * 10**9)  # bounded memory, atomic
 """
 
-from importlib import import_module as _import_module
-from typing import Any as _Any
+from streamck._lazy import lazy_getattr as _lazy_getattr
 
 # The public names, by the module each lives in. They are imported on first use, so that
 # ``streamck ls`` (or ``import streamck.source``) does not pay for the writer and the
@@ -41,13 +40,7 @@ _EXPORTS = {
 _MODULE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
-def __getattr__(name: str) -> _Any:
-    module = _MODULE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'streamck' has no attribute {name!r}")
-    value = getattr(_import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
+__getattr__ = _lazy_getattr(__name__, globals(), _MODULE)
 
 
 def __dir__() -> list[str]:

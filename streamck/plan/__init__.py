@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from importlib import import_module
-from typing import Any
 
+from streamck._lazy import lazy_getattr
 from streamck.plan.compile import OutputTensor, Plan, compile_plan
 from streamck.plan.rules import Rule, Rules, load_rules
 
@@ -49,13 +49,7 @@ AUX_LAYER_PLANS = frozenset({"eagle3", "eagle3-speculators"})
 HF_CONFIG_PLANS = frozenset({"torchtitan-llama3", "megatron-gpt"})
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'streamck.plan' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)
 
 
 __all__ = [
