@@ -227,6 +227,10 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     if layout.kind == "zero" or (zero and layout.zero is not None):
         found = untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
         return _not_empty(found, "DeepSpeed ZeRO")
+    if layout.kind == "verl":
+        from streamck.source.verl import index_verl
+
+        return index_verl(path, layout.root, select, keep_tied)
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind == "fsdp":

@@ -143,6 +143,11 @@ def _latest(path: Path, found: dict[int, Path]) -> Path:
 
 def pick_step(path: Path, step: str | int) -> Path:
     """The step folder of ``step`` in the run root ``path``; ``latest`` as the run marks it."""
+    from streamck.source import verl
+
+    verl_step = verl.pick_step(path, step) if path.is_dir() else None
+    if verl_step is not None:
+        return verl_step
     found = steps(path) if path.is_dir() else {}
     if not found:
         raise CheckpointError("--step given, but there are no checkpoint-<step> or epoch_<E>_step_<S> folders", path)
@@ -267,13 +272,13 @@ def hub_snapshot(path: Path) -> Path:
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     path = hub_snapshot(path)
-    from streamck.source import fsdp
+    from streamck.source import fsdp, verl
     from streamck.source.zero import find_zero, rank_file_error
 
     if path.is_file():
         if path.name in INDEX_NAMES:
             return find_layout(path.parent)
-        refused = rank_file_error(path) or fsdp.rank_file_error(path)
+        refused = rank_file_error(path) or fsdp.rank_file_error(path) or verl.rank_file_error(path)
         if refused:
             raise refused
         return Layout(path.parent, [path])
@@ -289,6 +294,9 @@ def find_layout(path: Path) -> Layout:
     found = _fsdp(path)
     if found is not None:
         return found
+    actor = verl.actor_dir(path)
+    if actor is not None:  # a verl actor's rank files (or global_step_N/ holding actor/)
+        return Layout(actor, [], kind="verl", side_root=actor / verl.HF_DIR)
     found = _distributed(path)
     if found is not None:
         side = path / HF_METADATA.name  # the model/ folder of an Automodel step
@@ -309,7 +317,7 @@ def find_layout(path: Path) -> Layout:
     step = _automodel_step(path) if (path / "model").is_dir() else None
     if step is not None:
         return step
-    found = steps(path)
+    found = steps(path) or verl.steps(path)
     if found:
         listed = ", ".join(map(str, found))
         raise CheckpointError(f"a training run root with steps {listed}: pick one with --step N or --step latest", path)
