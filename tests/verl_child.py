@@ -18,7 +18,8 @@ Patched for a GPU-less host, here only (verl's files are untouched):
   model to ``f"{device}:{id}"`` ("cpu:cpu" here), which torch refuses.
 
 Usage: verl_child.py OUT STRATEGY(fsdp|fsdp2) FSDP_SIZE LORA_RANK (a rank), or
-verl_child.py base OUT ARCH(qwen2|llama) (the model the run starts from, in ``OUT/base``).
+verl_child.py base OUT ARCH(qwen2|llama) [HIDDEN INTER LAYERS VOCAB] (the model the run starts
+from, in ``OUT/base``; bench/verl_ckpt.py gives larger dimensions).
 """
 
 from __future__ import annotations
@@ -95,12 +96,14 @@ def _fsdp1_on_cpu() -> None:
 VOCAB, HIDDEN = 320, 64  # 320 rows: torch.chunk on 3 ranks gives 107/107/106
 
 
-def make_base(out: Path, arch: str) -> None:
-    """A tiny HF model (Qwen2 with a tied head, or Llama untied) and a word-level tokenizer."""
+def make_base(out: Path, arch: str, dims: list[int] = ()) -> None:
+    """A tiny HF model (Qwen2 with a tied head, or Llama untied) and a word-level tokenizer;
+    ``dims`` (hidden, intermediate, layers, vocab) makes it larger."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2,
+    hidden, inter, layers, vocab = dims or (HIDDEN, 96, 2, VOCAB)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     if arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=True)
@@ -109,8 +112,8 @@ def make_base(out: Path, arch: str) -> None:
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out / "base")
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     fast.save_pretrained(out / "base")
@@ -165,6 +168,6 @@ def main(out: Path, strategy: str, fsdp_size: int, lora_rank: int) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if sys.argv[1] == "base":
-        make_base(Path(sys.argv[2]), sys.argv[3])
+        make_base(Path(sys.argv[2]), sys.argv[3], [int(d) for d in sys.argv[4:8]])
     else:
         main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -33,10 +33,14 @@ _SPEC_MODULES = (
 _DTENSOR = {("torch.distributed.tensor", "DTensor"), ("torch.distributed._tensor.api", "DTensor")}
 
 
-class _Marker(NamedTuple):
-    """A global the pickle names only to pass it to _rebuild_from_type_v2: never called."""
+class _Marker:
+    """A global the pickle names only to pass it to _rebuild_from_type_v2: calling it is refused."""
 
-    name: str
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise pickle.UnpicklingError(f"{self.name} called: not part of a DTensor state dict")
 
 
 _WRAPPER = _Marker("_rebuild_wrapper_subclass")
