@@ -86,8 +86,8 @@ def test_every_entry_point_reads_the_same_model(verl_cases, tmp_path):
     assert_bitwise(load_file(tmp_path / "d" / "model.safetensors"), want)
     for left in ("optim_world_size", "extra_state_world_size", "data.pt"):
         assert left in proc.stderr
-    root = cli("ls", case["run"], check=2)
-    assert "--step" in root.stderr and len(root.stderr.strip().splitlines()) == 1
+    root = cli("ls", case["run"], check=0)  # a bare run root: read at its latest step, said in a note
+    assert "global_step_1" in root.stderr and "model.embed_tokens.weight" in root.stdout
 
 
 def test_hsdp_reads_one_replica(verl_cases):

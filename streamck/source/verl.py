@@ -30,8 +30,6 @@ from streamck.source.verl_pickle import DTensor, RankState, read_rank
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 CONFIG = "fsdp_config.json"
 HF_DIR = "huggingface"
-LATEST = "latest_checkpointed_iteration.txt"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # What the actor folder and its step hold beside the model, never read, with what each is.
 LEFT_OUT = (
     ("optim_world_size_*_rank_*.pt", "optimizer state"),
@@ -93,30 +91,6 @@ def rank_files(actor: Path, world: int) -> list[Path]:
     if missing:
         raise CheckpointError(f"rank file {listing(missing, 3)} missing ({CONFIG}: world_size {world})", actor)
     return want
-
-
-def steps(root: Path) -> dict[int, Path]:
-    """The ``global_step_N`` folders in a verl run root, by step."""
-    return dict(sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()))
-
-
-def pick_step(root: Path, step: str | int) -> Path | None:
-    """``global_step_<step>`` in a verl run root (``latest``: as ``latest_checkpointed_iteration.txt``
-    says); None when ``root`` is no verl run root."""
-    found = steps(root)
-    if not found and not (root / LATEST).is_file():
-        return None
-    if step == "latest":
-        if not (root / LATEST).is_file():
-            return found[max(found)]
-        text = (root / LATEST).read_text(errors="replace").strip()
-        if not text.isdigit() or int(text) not in found:
-            raise CheckpointError(f"names step {text[:40]!r}, which is no global_step_N folder here", root / LATEST)
-        return found[int(text)]
-    try:
-        return found[int(step)]
-    except (KeyError, ValueError):
-        raise CheckpointError(f"no step {step} here (steps: {', '.join(map(str, sorted(found)))})", root) from None
 
 
 def _placement(p: object, where: str, path: Path) -> int | None:
@@ -268,16 +242,16 @@ def left_beside(actor: Path) -> list[str]:
 def index_verl(path: Path, actor: Path, key: str | None, keep_tied: bool):
     """The Checkpoint of a verl actor folder: tensors as tiles over the rank files, the tied head
     as save_pretrained writes it (config from ``huggingface/``)."""
-    from streamck.source.checkpoint import Checkpoint, FileStamp, _not_empty, _tiled
     from streamck.source.crosscheck import cross_check
+    from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
     from streamck.source.tied import untie_fsdp
 
     if key is not None:
         raise CheckpointError(f"--key {key}: a verl actor is read as its model state dict", path)
     files = {p: FileStamp.of(p) for p in actor.glob("model_world_size_*_rank_*.pt")}  # before reading
     entries, paths, notices = read_verl(actor)
-    tensors, _ = _tiled(entries, actor)
+    tensors, _ = tiled(entries, actor)
     side = actor / HF_DIR if (actor / HF_DIR).is_dir() else actor
     cross_check(side, tensors)
     found = Checkpoint(path, actor, tensors, {}, {p: files.get(p) or FileStamp.of(p) for p in paths}, notices, side)
-    return untie_fsdp(_not_empty(found, "verl actor"), keep_tied)
+    return untie_fsdp(not_empty(found, "verl actor"), keep_tied)
