@@ -18,8 +18,9 @@ INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # scheduler.pt, rng_state*.pth and training_args.bin: never weights, never matched.
 SHARD_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 CONSOLIDATED = Path("model", "consolidated")
-# Trainer's checkpoint-<step>, Automodel's epoch_<E>_step_<S>: the step number is the last group.
-STEP_DIR = re.compile(r"^(?:checkpoint-|epoch_\d+_step_)(\d+)$")
+# Trainer's checkpoint-<step>, Automodel's epoch_<E>_step_<S>, OLMo-core's step<N> (finished
+# ones only, as OLMo-core counts them): the step number is the last group.
+STEP_DIR = re.compile(r"^(?:checkpoint-|epoch_\d+_step_|step)(\d+)$")
 # Distributed checkpoints: torch DCP's sharded safetensors (one per rank) and native DCP.
 DCP_SHARDS = "shard-*-model-*-of-*.safetensors"
 DCP_METADATA = ".metadata"
@@ -118,11 +119,14 @@ def _from_index(root: Path, index_path: Path) -> Layout:
 
 
 def steps(path: Path) -> dict[int, Path]:
-    """The step folders directly in ``path`` (``checkpoint-<S>``, ``epoch_<E>_step_<S>``), by step."""
+    """The step folders directly in ``path`` (``checkpoint-<S>``, ``epoch_<E>_step_<S>``,
+    ``step<S>``), by step."""
+    from streamck.source import olmo
+
     found = {}
     for child in path.iterdir():
         m = STEP_DIR.match(child.name)
-        if m and child.is_dir():
+        if m and child.is_dir() and (not olmo.STEP_DIR.match(child.name) or olmo.is_checkpoint(child)):
             found[int(m.group(1))] = child
     return dict(sorted(found.items()))
 
@@ -145,7 +149,9 @@ def pick_step(path: Path, step: str | int) -> Path:
     """The step folder of ``step`` in the run root ``path``; ``latest`` as the run marks it."""
     found = steps(path) if path.is_dir() else {}
     if not found:
-        raise CheckpointError("--step given, but there are no checkpoint-<step> or epoch_<E>_step_<S> folders", path)
+        raise CheckpointError(
+            "--step given, but there are no checkpoint-<step>, epoch_<E>_step_<S> or step<N> folders", path
+        )
     if step == "latest":
         return _latest(path, found)
     try:
@@ -174,6 +180,14 @@ def _fsdp(path: Path) -> Layout | None:
     if found is None:
         return None
     return Layout(found, sorted(found.glob("*.distcp")), kind="fsdp", side_root=found.parent)
+
+
+def _olmo(path: Path) -> Layout | None:
+    """An OLMo-core step folder: its ``model_and_optim/`` DCP, side files from the step."""
+    from streamck.source.olmo import model_dir
+
+    found = model_dir(path)
+    return None if found is None else Layout(found, sorted(found.glob("*.distcp")), kind="distcp", side_root=path)
 
 
 def _automodel_step(path: Path) -> Layout | None:
@@ -287,6 +301,9 @@ def find_layout(path: Path) -> Layout:
         if (path / name).is_file():
             return replace(_from_index(path, path / name), zero=zero, zero_unclear=unclear)
     found = _fsdp(path)
+    if found is not None:
+        return found
+    found = _olmo(path)
     if found is not None:
         return found
     found = _distributed(path)
