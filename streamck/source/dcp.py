@@ -234,7 +234,7 @@ def select(tensors: list[str], others: list[str], key: str | None, where: Path) 
         group = model_group({g: t for g, (t, _) in counts.items()})
         if group is not None:
             chosen, left, notes = _under(tensors, others, group, prefix, counts, where)
-            return chosen, [Info(model_note(group, len(chosen), _shown(left))), *notes]
+            return chosen, [model_note(group, len(chosen), _shown(left)), *notes]  # kept under -q: what was left out
     if key is None or key == ALL_KEY:  # the groups are said when training state is among them: an action to take
         state = any(is_state(g) for g in counts)
         notes = [f"top-level groups: {_shown(counts)}{_weights_flag(counts)}"] if state and key is None else []
