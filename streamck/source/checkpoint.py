@@ -7,74 +7,18 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 
 from streamck.dtypes import nbytes
-from streamck.errors import CheckpointError, listing
+from streamck.errors import CheckpointError, Info, listing
 from streamck.source import fsdp, olmo
 from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
-from streamck.source.layout import Layout, find_layout, pick_step
+from streamck.source.index import Checkpoint, FileStamp
+from streamck.source.layout import Layout, bare_run_root, find_layout, pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
-
-
-@dataclass(frozen=True, slots=True)
-class FileStamp:
-    """What a source file looked like when indexed, to notice it changing under us."""
-
-    size: int
-    mtime_ns: int
-    inode: int
-
-    @classmethod
-    def of(cls, path: Path) -> FileStamp:
-        st = os.stat(path)
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-@dataclass
-class Checkpoint:
-    """Every tensor of a checkpoint by name (in file order), with its file, byte range, dtype and shape.
-
-    ``root`` is the directory that holds the checkpoint (the file's directory for a
-    single file); ``files`` maps each shard to the stamp taken when it was indexed;
-    ``notices`` are lines a user should see (items skipped as not tensors, the sub-dict
-    of a torch pickle read): the library never prints them;
-    ``side_root`` holds the config and tokenizer files (``root`` when None).
-    """
-
-    path: Path
-    root: Path
-    tensors: dict[str, TensorRef]
-    metadata: dict[str, str]
-    files: dict[Path, FileStamp] = field(default_factory=dict)
-    notices: list[str] = field(default_factory=list)
-    side_root: Path | None = None
-
-    @property
-    def total_size(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-    def read(self, name: str) -> bytes:
-        """Tensor ``name``'s bytes in row-major order (the whole tensor, in memory: for
-        bounded reads use streamck.source.reader.Reader)."""
-        from streamck.source.reader import Reader
-
-        with Reader() as reader:
-            return reader.read(self.tensors[name])
-
-    def check_unchanged(self) -> None:
-        """Raise CheckpointError if any shard changed size, mtime or inode since indexing."""
-        for path, stamp in self.files.items():
-            try:
-                now = FileStamp.of(path)
-            except OSError as e:
-                raise CheckpointError(f"source vanished during the run: {e.strerror}", path) from None
-            if now != stamp:
-                raise CheckpointError("source file changed during the run", path)
 
 
 def _also_in(name: str, tensors: dict[str, TensorRef], shard: Path) -> CheckpointError:
@@ -119,7 +63,8 @@ def open_checkpoint(
     directory with ``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
     and its shards, a directory of ``*.safetensors`` or ``pytorch_model*.bin`` shards,
     a step directory whose weights are in ``model/consolidated``, or, with ``step``
-    (a number or ``"latest"``), a run root of ``checkpoint-<step>`` folders.
+    (a number or ``"latest"``), a run root of step folders (streamck.source.layout.STEP_DIRS);
+    a run root that marks its latest step is read at that step when ``step`` is None.
     In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
     ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip),
     and in a DCP checkpoint only the items under that dotted prefix (``model``,
@@ -133,14 +78,26 @@ def open_checkpoint(
     unless ``keep_tied``.
     Raises CheckpointError for anything malformed.
     """
-    path = Path(path)
-    if step is not None:
-        path = pick_step(path, step)
+    path, picked = resolve_step(Path(path), step)
     with _gc_paused():
         try:
-            return _index(path, key, zero, keep_tied)
+            ckpt = _index(path, key, zero, keep_tied)
         except OSError as e:  # stat or open of a path we may not enter or read
             raise CheckpointError(f"cannot read: {e.strerror}", e.filename or path) from None
+    ckpt.notices[:0] = picked
+    return ckpt
+
+
+def resolve_step(path: Path, step: str | int | None) -> tuple[Path, list[Info]]:
+    """The folder to read for ``path`` and ``step``: a run root's step (``latest`` too, and
+    implied where the run marks it and no ``--step`` is given), else ``path``; with a note
+    saying which step was picked, for the user to see."""
+    if step is None and bare_run_root(path):
+        step = "latest"
+    if step is None:
+        return path, []
+    picked, why = pick_step(path, step)
+    return picked, [Info(why)]
 
 
 @contextmanager
