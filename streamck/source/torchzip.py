@@ -21,6 +21,7 @@ from pathlib import Path
 from streamck.dtypes import BITS, TORCH
 from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import Header, TensorRef
+from streamck.source.torchzip_keys import select
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
 MAX_DEPTH = 100  # dicts and lists nested deeper are hostile (or cyclic), not a state dict
@@ -266,9 +267,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None
     notices = [] if notices is None else notices
-    from streamck.source.torchzip_keys import select
-
-    leaves = _flatten(select(obj, key, path, notices), path)
+    leaves = _flatten(select(obj, key, path, notices, lambda v: _flatten(v, path), _Lazy), path)
     tensors = [_ref(n, v, starts[v.storage.key], path) for n, v in leaves.items() if isinstance(v, _Lazy)]
     skipped = [n for n, v in leaves.items() if not isinstance(v, _Lazy)]  # step counters, hyperparameters
     if skipped:
