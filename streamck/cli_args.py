@@ -45,13 +45,13 @@ def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None
     )
     group.add_argument(
         "--plan",
-        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan-llama3, megatron-gpt) or a TOML "
+        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan-llama3, megatron-gpt, olmo2) or a TOML "
         "plan file (its rules come first); ls, diff and hash then show what the plan would write",
     )
     group.add_argument(
         "--hf-config",
         metavar="FILE",
-        help="with --plan torchtitan-llama3 or megatron-gpt: the model's Hugging Face config.json (its sizes; "
+        help="with --plan torchtitan-llama3, megatron-gpt or olmo2: the model's Hugging Face config.json (its sizes; "
         "written beside the weights), over a config.json beside the step",
     )
     group.add_argument(

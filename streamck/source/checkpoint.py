@@ -10,7 +10,7 @@ from operator import itemgetter
 from pathlib import Path
 
 from streamck.errors import CheckpointError, Info, listing
-from streamck.source import fsdp
+from streamck.source import fsdp, olmo
 from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
@@ -140,6 +140,7 @@ def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoin
         entries, notices = fsdp.read_fsdp(layout.root)
     elif layout.kind == "distcp":
         entries, notices = distcp.read_distcp(layout.root, key)
+        notices += olmo.left_beside(layout.root)
     else:
         entries, notices = dcp.read_sharded_safetensors(layout.shards, key)
     tensors, paths = tiled(entries, layout.root)

@@ -132,11 +132,14 @@ def _from_index(root: Path, index_path: Path) -> Layout:
 
 
 def steps(path: Path) -> dict[int, Path]:
-    """The step folders directly in ``path`` (STEP_DIRS), or in its torchtitan ``checkpoint/``, by step."""
+    """The step folders directly in ``path`` (STEP_DIRS), or in its torchtitan ``checkpoint/``, by
+    step; OLMo-core's ``stepN`` only when finished, as OLMo-core counts them (streamck.source.olmo)."""
+    from streamck.source import olmo
+
     found = {}
     for child in path.iterdir():
         m = STEP_DIR.match(child.name)
-        if m and child.is_dir():
+        if m and child.is_dir() and (not olmo.STEP_DIR.match(child.name) or olmo.is_checkpoint(child)):
             found[int(next(g for g in m.groups() if g is not None))] = child
     if not found and (path / TITAN_STEPS).is_dir():
         return steps(path / TITAN_STEPS)
@@ -210,6 +213,14 @@ def _fsdp(path: Path) -> Layout | None:
     if found is None:
         return None
     return Layout(found, sorted(found.glob("*.distcp")), kind="fsdp", side_root=found.parent)
+
+
+def _olmo(path: Path) -> Layout | None:
+    """An OLMo-core step folder: its ``model_and_optim/`` DCP, side files from the step."""
+    from streamck.source.olmo import model_dir
+
+    found = model_dir(path)
+    return None if found is None else Layout(found, sorted(found.glob("*.distcp")), kind="distcp", side_root=path)
 
 
 def _automodel_step(path: Path) -> Layout | None:
@@ -328,6 +339,9 @@ def find_layout(path: Path) -> Layout:
     actor = verl.actor_dir(path)
     if actor is not None:  # a verl actor's rank files (or global_step_N/ holding actor/)
         return Layout(actor, [], kind="verl", side_root=actor / verl.HF_DIR)
+    found = _olmo(path)
+    if found is not None:
+        return found
     found = _distributed(path)
     if found is not None:
         side = path / HF_METADATA.name  # the model/ folder of an Automodel step
