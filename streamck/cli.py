@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # a closed pipe shows here rather than in the flush at exit
         return code
     except StreamckError as e:
-        print(f"streamck: error: {e}", file=sys.stderr)
+        print(f"streamck: error: {e.cli()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("streamck: interrupted", file=sys.stderr)

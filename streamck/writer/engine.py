@@ -169,7 +169,7 @@ def write_plan(
         shards = [line_up(s, sharing, header_align) for s in shards]
     bar = Progress(plan.total_size, progress)
     workers = Workers(jobs, chunk, device, drop_cache, bar, sharing)
-    if any(t.is_cast for t in plan.tensors):
+    if _casts(plan, device):
         _caster(workers.first)  # a missing torch or CUDA device is an error before any file exists
     syncer = Syncer(drop_cache)
     with ExitStack() as stack:
@@ -269,6 +269,12 @@ def _refuse_joining(out: Path, plan: Plan) -> None:
         )
 
 
+def _casts(plan: Plan, device: str | None) -> bool:
+    """Whether the run needs its caster made before writing: it casts, or it names a device,
+    which must be there even when nothing is cast (the run would say nothing of it otherwise)."""
+    return device not in (None, "cpu") or any(t.is_cast for t in plan.tensors)
+
+
 def _caster(writer: ShardWriter) -> None:
     """Make the run's caster now: torch, an optional dependency, may not be installed."""
     try:
@@ -338,7 +344,7 @@ def _to_stdout(
     (shard,) = plan_shards(plan, "-", None, header_align)
     bar = Progress(plan.total_size, progress)
     writer = ShardWriter(chunk, device, drop_cache=False, progress=bar)
-    if any(t.is_cast for t in plan.tensors):
+    if _casts(plan, device):
         _caster(writer)
     try:
         writer.write(shard, fd)
