@@ -303,13 +303,13 @@ def hub_snapshot(path: Path) -> Path:
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     path = hub_snapshot(path)
-    from streamck.source import fsdp
+    from streamck.source import fsdp, verl
     from streamck.source.zero import find_zero, rank_file_error
 
     if path.is_file():
         if path.name in INDEX_NAMES:
             return find_layout(path.parent)
-        refused = rank_file_error(path) or fsdp.rank_file_error(path)
+        refused = rank_file_error(path) or fsdp.rank_file_error(path) or verl.rank_file_error(path)
         if refused:
             raise refused
         return Layout(path.parent, [path])
@@ -325,6 +325,9 @@ def find_layout(path: Path) -> Layout:
     found = _fsdp(path)
     if found is not None:
         return found
+    actor = verl.actor_dir(path)
+    if actor is not None:  # a verl actor's rank files (or global_step_N/ holding actor/)
+        return Layout(actor, [], kind="verl", side_root=actor / verl.HF_DIR)
     found = _distributed(path)
     if found is not None:
         side = path / HF_METADATA.name  # the model/ folder of an Automodel step
