@@ -55,13 +55,15 @@ class Log(Silent):
     done of the total, the average rate so far, the time left at that rate, and the tensor
     being written (the last one started, with several jobs)."""
 
-    def __init__(self, total: int, out: TextIO, clock: Callable[[], float] = time.monotonic, every: float = LOG_EVERY):
-        self.total, self.out, self.clock, self.every = total, out, clock, every
+    def __init__(
+        self, total: int, out: TextIO, clock: Callable[[], float] = time.monotonic, every: float | None = None
+    ):
+        # No line at the start: a run that fails within seconds says so in its one error line.
+        self.total, self.out, self.clock = total, out, clock
+        self.every = LOG_EVERY if every is None else every
         self.start = self.last = clock()
         self.done = 0
         self.current: str | None = None
-        self.out.write(f"streamck: progress: writing {human(total)}, a line every {every:g} s\n")
-        self.out.flush()
 
     def __call__(self, n: int) -> None:
         self.done += n
