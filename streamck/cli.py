@@ -14,32 +14,16 @@ from typing import TYPE_CHECKING
 
 from streamck import manifest
 from streamck.cli_args import build_parser
+from streamck.cli_show import print_checkpoint, print_plan
 from streamck.errors import Info, StreamckError, UsageError
+from streamck.source.producers import plan_hint
+from streamck.units import human
 
 if TYPE_CHECKING:
     from streamck.check.diff import Side
     from streamck.plan import Plan
     from streamck.source import Checkpoint
     from streamck.spec import SourceSpec
-
-
-def human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    raise AssertionError
-
-
-def shape_str(shape) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"
-
-
-def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
 def _note(ckpt: Checkpoint, quiet: bool = False) -> Checkpoint:
@@ -78,13 +62,6 @@ def _notes(plan: Plan, quiet: bool = False) -> Plan:
     return plan
 
 
-def _files(t, root: Path) -> str:
-    if not t.paths:  # a tensor of no elements read as tiles lies in no file
-        return "-"
-    first = os.path.relpath(t.path, root)
-    return first if len(t.paths) == 1 else f"{first} (+{len(t.paths) - 1} more)"
-
-
 def _cmd_ls(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if spec.plan is not None:  # what the plan would write
@@ -92,23 +69,16 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         if args.json:
             sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
         else:
-            _print_plan(plan)
+            print_plan(plan)
         return 0
     ckpt = _note(spec.open(), args.quiet)
+    hint = plan_hint(ckpt.tensors)
     if args.json:
         sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
+        if hint:
+            print(f"streamck: note: {hint}", file=sys.stderr)
         return 0
-    rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
-    rows += [
-        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), _files(t, ckpt.root))
-        for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
-    ]
-    table(rows)
-    print(
-        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) "
-        f"{'under ' + str(ckpt.root) if ckpt.path.is_dir() else 'in ' + str(ckpt.path)}, {human(ckpt.total_size)} "
-        f"({ckpt.total_size} bytes)"
-    )
+    print_checkpoint(ckpt, hint)
     return 0
 
 
@@ -128,21 +98,6 @@ def _compile(args: argparse.Namespace):
     )
     _notes(plan, args.quiet)
     return plan
-
-
-def _print_plan(plan) -> None:
-    for line in plan.summary:
-        print(line)
-    rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
-    for t in plan.tensors:
-        src = t.transform.origin(t.source) if t.transform is not None else t.source
-        dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
-        dtype += f" {t.transform.label}" if t.transform is not None and t.transform.label else ""
-        rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
-    table(rows)
-    src = plan.source
-    dropped = len(src.tensors) - len(plan.tensors) if src else 0
-    print(f"{len(plan.tensors)} tensors ({dropped} dropped), {human(plan.total_size)} ({plan.total_size} bytes)")
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
@@ -166,7 +121,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         if args.json:
             sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
         else:
-            _print_plan(plan)
+            print_plan(plan)
         return 0
     result = write_plan(
         plan,
@@ -177,7 +132,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         drop_cache=args.drop_cache,
         device=args.device,
         verify=args.verify,
-        progress=not args.quiet and sys.stderr.isatty(),
+        progress=args.progress or ("none" if args.quiet else "auto"),
         format=args.format,
         jobs=args.jobs,
         part=part,
@@ -269,7 +224,14 @@ def signals_as_exceptions() -> Iterator[None]:
             signal.signal(s, h)
 
 
-COMMANDS = {"ls": _cmd_ls, "rewrite": _cmd_rewrite, "diff": _cmd_diff, "hash": _cmd_hash}
+def _cmd_completion(args: argparse.Namespace) -> int:
+    from streamck.cli_complete import script
+
+    sys.stdout.write(script(args.shell, build_parser()))
+    return 0
+
+
+COMMANDS = {"ls": _cmd_ls, "rewrite": _cmd_rewrite, "diff": _cmd_diff, "hash": _cmd_hash, "completion": _cmd_completion}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # a closed pipe shows here rather than in the flush at exit
         return code
     except StreamckError as e:
-        print(f"streamck: error: {e}", file=sys.stderr)
+        print(f"streamck: error: {e.cli()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("streamck: interrupted", file=sys.stderr)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from streamck.errors import UsageError
 from streamck.source import Checkpoint, open_checkpoint
 from streamck.source.checkpoint import resolve_step
+from streamck.source.producers import plan_hint
 
 if TYPE_CHECKING:
     from streamck.plan import Plan, Rules
@@ -87,7 +88,10 @@ class SourceSpec:
         name = self.builtin
         if name is None:
             base = load_rules(self.plan) if self.plan is not None else Rules()
-            return compile_plan(self.open(), base + rules, copy_files=copy_files)
+            plan = compile_plan(self.open(), base + rules, copy_files=copy_files)
+            hint = plan_hint(plan.source.tensors) if self.plan is None else None
+            plan.notices[:0] = [hint] if hint else []  # a trainer's step that a built-in plan exports
+            return plan
         if isinstance(self.path, Checkpoint):
             raise UsageError(f"plan {name!r} opens its own source: pass a path, not a Checkpoint")
         if self.key is not None or self.zero or self.keep_tied:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import built_once, cli, says_the_plan
 
 torch = pytest.importorskip("torch")
 
@@ -316,3 +316,14 @@ def test_library_takes_one_source_description(megatron):
     )
     with pytest.raises(streamck.UsageError, match="unknown source option"):
         streamck.ls(megatron["gpt"], stpe=10)
+
+
+def test_without_the_plan_a_note_names_it(megatron, tmp_path):
+    """Issue #36: a Megatron iteration (or its run root, read at the tracker's step) rewritten
+    or listed without --plan names the plan."""
+    run = tmp_path / "run"  # as Megatron's training loop leaves it (the fixture's oracles left behind)
+    shutil.copytree(megatron["gpt"] / "iter_0000010", run / "iter_0000010")
+    shutil.copy(megatron["gpt"] / "latest_checkpointed_iteration.txt", run)
+    shutil.copy(megatron["gpt"] / "config.json", run)
+    says_the_plan(run / "iter_0000010", PLAN)
+    says_the_plan(run, PLAN)

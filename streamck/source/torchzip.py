@@ -21,6 +21,7 @@ from pathlib import Path
 from streamck.dtypes import BITS, TORCH
 from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import Header, TensorRef
+from streamck.source.sniff import SAMPLE, looks_like
 from streamck.source.torchzip_keys import select
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
@@ -225,7 +226,7 @@ def load_archive(
     records = {i.filename: i for i in z.infolist()}
     pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") == 1), None)
     if pkl is None:
-        raise CheckpointError("zip archive without a data.pkl: not a torch checkpoint", path)
+        raise CheckpointError("is a zip archive without a data.pkl: not a torch checkpoint, nor safetensors", path)
     prefix = pkl[: -len("data.pkl")]
     if records[pkl].file_size > MAX_PICKLE:
         raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
@@ -258,7 +259,11 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"PK\x03\x04":
-                raise CheckpointError(f"not a zip archive: a legacy torch file? {LEGACY_HINT}", path)
+                f.seek(0)
+                what = looks_like(f.read(SAMPLE))
+                if what is None or what.startswith("a pickle"):
+                    raise CheckpointError(f"not a zip archive: a legacy torch file? {LEGACY_HINT}", path)
+                raise CheckpointError(f"is not a torch checkpoint (a zip archive): it looks like {what}", path)
             obj, storages, records, prefix = load_archive(f, path)
             if not isinstance(obj, dict):
                 what = _describe(obj) if isinstance(obj, _Lazy | _Storage) else f"a {type(obj).__name__}"
