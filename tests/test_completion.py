@@ -2,6 +2,7 @@
 is sourced in a real bash and asked what it completes, as bash asks when TAB is pressed;
 the zsh and fish scripts are checked by their shells where installed."""
 
+import os
 import shutil
 import subprocess
 
@@ -73,10 +74,17 @@ def test_every_option_is_in_every_script():
             assert flag in scripts["bash"] and flag in scripts["zsh"], (name, flag)
 
 
+def _needs(shell: str) -> None:
+    """Skip where ``shell`` is missing, unless scripts/test installed it (then a failure)."""
+    if shutil.which(shell) is None:
+        if os.environ.get("STREAMCK_REQUIRE_SHELLS"):
+            pytest.fail(f"{shell} is not installed, though scripts/test installs it (STREAMCK_REQUIRE_SHELLS)")
+        pytest.skip(f"{shell} is not installed here")
+
+
 @pytest.mark.parametrize("shell", ["zsh", "fish"])
 def test_zsh_and_fish_scripts_parse(shell, tmp_path):
-    if shutil.which(shell) is None:
-        pytest.skip(f"{shell} is not installed here")
+    _needs(shell)
     script = tmp_path / f"streamck.{shell}"
     script.write_text(cli("completion", shell, check=0).stdout)
     proc = subprocess.run([shell, "-n", str(script)], capture_output=True, text=True)
@@ -84,8 +92,7 @@ def test_zsh_and_fish_scripts_parse(shell, tmp_path):
 
 
 def test_fish_completes_as_bash_does(tmp_path):
-    if shutil.which("fish") is None:
-        pytest.skip("fish is not installed here")
+    _needs("fish")
     script = tmp_path / "streamck.fish"
     script.write_text(cli("completion", "fish", check=0).stdout)
 
