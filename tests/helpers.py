@@ -140,3 +140,14 @@ def says_the_plan(source: Path, plan: str, *plan_options) -> None:
     assert hint in cli("ls", source, "-q", "--json", check=0).stderr
     planned = cli("rewrite", source, "--dry-run", "--plan", plan, *plan_options, check=0)
     assert "this looks like" not in planned.stderr + planned.stdout
+
+
+def missing(what: str) -> None:
+    """A producer the test needs is not installed: a skip where someone runs pytest by hand,
+    a failure under scripts/test (STREAMCK_REQUIRE_PRODUCERS), which installs every producer,
+    so that a broken install never passes as skipped tests."""
+    import pytest
+
+    if os.environ.get("STREAMCK_REQUIRE_PRODUCERS"):
+        pytest.fail(f"{what} (STREAMCK_REQUIRE_PRODUCERS: scripts/test installs it)")
+    pytest.skip(what)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, says_the_plan
+from helpers import built_once, cli, missing, says_the_plan
 
 torch = pytest.importorskip("torch")
 
@@ -34,7 +34,7 @@ def megatron(request, tmp_path_factory) -> dict[str, Path]:
     root = Path(cache.mkdir("streamck-megatron")) if cache is not None else tmp_path_factory.mktemp("megatron")
     base = root / f"megatron-{digest}"
     if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
-        pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
+        missing(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
 
     def build(tmp: Path) -> None:
         path = os.pathsep.join([str(BENCH), MEGATRON, os.environ.get("PYTHONPATH", "")])

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import cli, missing
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
@@ -25,7 +25,7 @@ def olmo(request, tmp_path_factory) -> Path:
     from olmo_fixtures import make_olmo_checkpoints
 
     if not Path(OLMO, "olmo_core").is_dir():
-        pytest.skip(f"OLMo-core 3.0.0 is not unpacked at {OLMO} (scripts/test does it)")
+        missing(f"OLMo-core 3.0.0 is not unpacked at {OLMO} (scripts/test does it)")
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir("streamck-olmo")) if cache is not None else tmp_path_factory.mktemp("olmo")
     return make_olmo_checkpoints(root, OLMO)
