@@ -14,7 +14,7 @@ from typing import Any
 
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
-from streamck.errors import UsageError
+from streamck.errors import PlanError, UsageError
 from streamck.plan import (
     AUX_LAYER_PLANS,
     BUILTIN_PLANS,
@@ -60,12 +60,17 @@ def build_plan(
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
+    quantize: str | None = None,
+    quantize_ignore: Sequence[str] = (),
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
     to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``merge_lora_any_base``
     skips the check that it was trained on this base; ``merge_engine="numpy"`` merges without
-    torch, not bit for bit), see streamck.plan.lora.
+    torch, not bit for bit), see streamck.plan.lora. ``quantize`` names a scheme (``"FP8_BLOCK"``)
+    to quantize the output's linear weights to, as llm-compressor's model_free_ptq does, leaving
+    out the modules ``quantize_ignore`` names (``"lm_head"``, ``"re:.*mlp.gate$"``); ``dtype`` on a
+    quantized source dequantizes it (see streamck.plan.quant).
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
@@ -106,9 +111,30 @@ def build_plan(
         raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
-    if merge_lora is None:
-        return compiled
-    return _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
+    if merge_lora is not None:
+        compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
+    return _quant_steps(compiled, dtype, casts, quantize, quantize_ignore)
+
+
+def _quant_steps(plan: Plan, dtype: str | None, casts, scheme: str | None, ignore: Sequence[str]) -> Plan:
+    """Dequantize a quantized source on ``--dtype``, or refuse a cast that would drop its scales;
+    then quantize (``--quantize``). See streamck.plan.quant."""
+    from streamck.plan.quant import dequantize_plan, quantize_plan, quantized_kind
+
+    if ignore and scheme is None:
+        raise UsageError("--quantize-ignore applies to --quantize only")
+    if plan.source is not None and quantized_kind(plan) is not None:
+        if scheme is not None:
+            raise PlanError(f"--quantize: the source is already {quantized_kind(plan)}-quantized; dequantize it first")
+        if dtype is not None:
+            return dequantize_plan(plan, dtype)
+        if casts:
+            raise PlanError(
+                f"the source is {quantized_kind(plan)}-quantized: --cast would change its scales, not its weights; "
+                "dequantize with --dtype"
+            )
+        return plan
+    return plan if scheme is None else quantize_plan(plan, scheme, list(ignore))
 
 
 def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
@@ -163,6 +189,8 @@ def rewrite(
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
+    quantize: str | None = None,
+    quantize_ignore: Sequence[str] = (),
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -212,7 +240,11 @@ def rewrite(
         safe_merge=safe_merge,
         merge_lora_any_base=merge_lora_any_base,
         merge_engine=merge_engine,
+        quantize=quantize,
+        quantize_ignore=quantize_ignore,
     )
+    if quantize is not None and device not in (None, "cpu"):
+        raise UsageError(f"--quantize with --device {device}: quantizing runs on the CPU only (for now)")
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(
         compiled,

@@ -103,7 +103,11 @@ def _compile(args: argparse.Namespace):
         safe_merge=args.safe_merge,
         merge_lora_any_base=args.merge_lora_any_base,
         merge_engine=args.merge_engine,
+        quantize=args.quantize,
+        quantize_ignore=args.quantize_ignore or (),
     )
+    if args.quantize is not None and args.device not in (None, "cpu"):
+        raise UsageError(f"--quantize with --device {args.device}: quantizing runs on the CPU only (for now)")
     if plan.source is not None:
         _note(plan.source, getattr(args, "quiet", False))
     for line in plan.notices:
@@ -120,6 +124,7 @@ def _print_plan(plan) -> None:
         src = t.merge.b if copy else t.source
         dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
         dtype += " +LoRA" if t.merge is not None and not copy else ""
+        dtype += f" {t.transform.label}" if t.transform is not None and t.transform.label else ""
         rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
     table(rows)
     src = plan.source

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from streamck.dtypes import CASTABLE, TORCH_NAMES, nbytes
 from streamck.errors import PlanError, listing
@@ -28,18 +29,22 @@ class OutputTensor:
     dtype: str
     # Set when the bytes are computed, not copied or cast: a LoRA merge (streamck.plan.lora.LoraMerge).
     merge: LoraMerge | None = None
+    # Set when the bytes are computed by a transform (streamck.transforms: quantize, dequantize),
+    # with the output's shape where it differs from the source's (packed FP4, scales).
+    transform: Any = None
+    out_shape: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.source.shape
+        return self.source.shape if self.out_shape is None else self.out_shape
 
     @property
     def nbytes(self) -> int:
-        return nbytes(self.dtype, self.source.numel)  # type: ignore[return-value]
+        return nbytes(self.dtype, math.prod(self.shape))  # type: ignore[return-value]
 
     @property
     def is_cast(self) -> bool:
-        return self.dtype != self.source.dtype and self.merge is None
+        return self.dtype != self.source.dtype and self.merge is None and self.transform is None
 
 
 @dataclass

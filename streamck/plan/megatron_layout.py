@@ -11,18 +11,42 @@ one key and one value head), ``mlp.py`` (``linear_fc1`` is [gate; up] under swig
 """
 
 LAYER = (
-    ("model.layers.{i}.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-     None, ("L", "H")),
-    ("model.layers.{i}.self_attn.q_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "q",
-     ("L", "QKV", "H")),
-    ("model.layers.{i}.self_attn.k_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "k",
-     ("L", "QKV", "H")),
-    ("model.layers.{i}.self_attn.v_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "v",
-     ("L", "QKV", "H")),
-    ("model.layers.{i}.self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight", None,
-     ("L", "H", "nh*d")),
-    ("model.layers.{i}.post_attention_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight",
-     None, ("L", "H")),
+    (
+        "model.layers.{i}.input_layernorm.weight",
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        None,
+        ("L", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "q",
+        ("L", "QKV", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "k",
+        ("L", "QKV", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "v",
+        ("L", "QKV", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "decoder.layers.self_attention.linear_proj.weight",
+        None,
+        ("L", "H", "nh*d"),
+    ),
+    (
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+        None,
+        ("L", "H"),
+    ),
     ("model.layers.{i}.mlp.gate_proj.weight", "decoder.layers.mlp.linear_fc1.weight", "gate", ("L", "2*I", "H")),
     ("model.layers.{i}.mlp.up_proj.weight", "decoder.layers.mlp.linear_fc1.weight", "up", ("L", "2*I", "H")),
     ("model.layers.{i}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", None, ("L", "H", "I")),
@@ -35,10 +59,18 @@ QKV_BIAS = (
 )
 # --qk-layernorm (Qwen3's q_norm / k_norm).
 QK_NORM = (
-    ("model.layers.{i}.self_attn.q_norm.weight", "decoder.layers.self_attention.q_layernorm.weight", "norm",
-     ("L", "d")),
-    ("model.layers.{i}.self_attn.k_norm.weight", "decoder.layers.self_attention.k_layernorm.weight", "norm",
-     ("L", "d")),
+    (
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "decoder.layers.self_attention.q_layernorm.weight",
+        "norm",
+        ("L", "d"),
+    ),
+    (
+        "model.layers.{i}.self_attn.k_norm.weight",
+        "decoder.layers.self_attention.k_layernorm.weight",
+        "norm",
+        ("L", "d"),
+    ),
 )
 TOP = (
     ("model.embed_tokens.weight", "embedding.word_embeddings.weight", "vocab", ("Vp", "H")),

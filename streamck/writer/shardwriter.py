@@ -156,7 +156,7 @@ class ShardWriter:
             for group, span in spans(shard.tensors, self.sharing):
                 if span is not None:  # unchanged tensors that continue one another: one run
                     self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
-                elif (t := group[0]).merge is not None:
+                elif (t := group[0]).merge is not None or t.transform is not None:
                     for view in self.merged(t):
                         write_all(out, view)
                         progress(len(view))
@@ -189,7 +189,7 @@ class ShardWriter:
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
         """``t``'s output bytes in bounded pieces: its source's, computed, or cast (on the CPU)."""
-        if t.merge is not None:
+        if t.merge is not None or t.transform is not None:
             for view in self.merged(t):
                 self.progress(len(view))
                 yield view
@@ -209,6 +209,8 @@ class ShardWriter:
 
     def merged(self, t: OutputTensor) -> Iterator[memoryview]:
         """A computed tensor's bytes (a LoRA merge, in torch or numpy)."""
+        if t.transform is not None:
+            return t.transform.pieces(t, self.reader, self._merge_space)
         from streamck.writer.merge_np import computed_pieces
 
         return computed_pieces(t, self.reader, self._merge_space)

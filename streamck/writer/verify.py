@@ -24,6 +24,9 @@ def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
 def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iterator[memoryview]:
     """What ``t`` should hold, in bounded pieces: its source's bytes, a fresh CPU cast, or
     its merge computed again (deterministic: the same blocks in the same order)."""
+    if t.transform is not None:
+        yield from t.transform.pieces(t, reader, {})
+        return
     if t.merge is not None:
         from streamck.writer.merge_np import computed_pieces
 

@@ -1,0 +1,1 @@
+"""Block-in, block-out computations of output tensors (quantize, dequantize; see each module)."""
