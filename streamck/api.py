@@ -113,13 +113,13 @@ def build_plan(
     compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
     if merge_lora is not None:
         compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
-    return _quant_steps(compiled, dtype, casts, quantize, quantize_ignore)
+    return _quant_steps(compiled, dtype, quantize, quantize_ignore)
 
 
-def _quant_steps(plan: Plan, dtype: str | None, casts, scheme: str | None, ignore: Sequence[str]) -> Plan:
+def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequence[str]) -> Plan:
     """Dequantize a quantized source on ``--dtype``, or refuse a cast that would drop its scales;
     then quantize (``--quantize``). See streamck.plan.quant."""
-    from streamck.plan.quant import dequantize_plan, quantize_plan, quantized_kind
+    from streamck.plan.quant import SCALE_NAMES, dequantize_plan, quantize_plan, quantized_kind
 
     if ignore and scheme is None:
         raise UsageError("--quantize-ignore applies to --quantize only")
@@ -128,10 +128,11 @@ def _quant_steps(plan: Plan, dtype: str | None, casts, scheme: str | None, ignor
             raise PlanError(f"--quantize: the source is already {quantized_kind(plan)}-quantized; dequantize it first")
         if dtype is not None:
             return dequantize_plan(plan, dtype)
-        if casts:
+        scales = [t.name for t in plan.tensors if t.is_cast and t.name.rpartition(".")[2] in SCALE_NAMES]
+        if scales:
             raise PlanError(
-                f"the source is {quantized_kind(plan)}-quantized: --cast would change its scales, not its weights; "
-                "dequantize with --dtype"
+                f"the source is {quantized_kind(plan)}-quantized: --cast would change its scales ({scales[0]}, …), "
+                "not its weights; dequantize with --dtype"
             )
         return plan
     return plan if scheme is None else quantize_plan(plan, scheme, list(ignore))

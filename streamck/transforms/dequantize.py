@@ -5,8 +5,9 @@
   ``dequantize=True``) multiplies in float32, ``f32(q) * f32(s)``, and rounds once to the
   model's dtype.
 - ``compressed-tensors`` (``weight`` E4M3 + ``weight_scale`` per row, per tensor or per block):
-  compressed-tensors' decompressor, which transformers runs, multiplies in the scale's dtype,
-  ``s.dtype(q) * s``; the model's dtype is a cast of that.
+  transformers loads the scale into the model's dtype first, then compressed-tensors'
+  decompressor multiplies in the scale's dtype: ``d(q) * d(s)`` rounded to ``d``, the output
+  dtype (so a float32 output is not the bf16 product widened).
 
 Each product is elementwise, so a band of rows gives the whole tensor's bits. Memory: the
 scale tensor (one value per block or row) and one band of rows in float32, a few times over.
@@ -27,8 +28,8 @@ from streamck.transforms.quantize import BAND_BYTES
 @dataclass(frozen=True, slots=True)
 class Fp8Dequant:
     """An E4M3 weight times its ``scale`` (one per ``block`` of rows × columns; a scale of shape
-    [rows, 1] or [1] broadcasts), in float32 (``kind`` "fp8") or the scale's dtype
-    ("compressed-tensors"), then cast to the output dtype."""
+    [rows, 1] or [1] broadcasts), in float32 then cast to the output dtype (``kind`` "fp8"), or
+    in the output dtype ("compressed-tensors")."""
 
     scale: TensorRef
     kind: str
@@ -52,12 +53,11 @@ class Fp8Dequant:
 
         ref, (bh, bw) = target.source, self.block
         rows, cols = ref.shape
-        scales = _whole(reader, self.scale)
-        math = torch.float32 if self.kind == "fp8" else scales.dtype
-        scales = scales.to(math)
+        out = getattr(torch, TORCH_NAMES[target.dtype])
+        math = torch.float32 if self.kind == "fp8" else out
+        scales = _whole(reader, self.scale).to(math)
         if scales.dim() == 2 and (scales.shape[0] > 1 or bh > 1):  # a grid (or per-row scales)
             scales = scales.repeat_interleave(bw, dim=1)[:, :cols] if bw > 1 else scales
-        out = getattr(torch, TORCH_NAMES[target.dtype])
         step = max(bh, BAND_BYTES // max(cols * 4, 1) // bh * bh)
         stream = reader.stream(ref)
         for start in range(0, rows, step):

@@ -22,6 +22,7 @@ SCALES = {"weight_scale_inv": "fp8", "weight_scale": "compressed-tensors"}
 PACKED = ("weight_packed", "weight_global_scale", "weight_zero_point")
 # Activation scales of a static scheme: meaningless once the weights are floats (transformers drops them too).
 ACTIVATION = ("input_scale", "activation_scale", "output_scale")
+SCALE_NAMES = (*SCALES, *PACKED, *ACTIVATION)
 
 
 def _config(plan: Plan) -> dict:
