@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 from streamck import manifest
 from streamck.cli_args import build_parser
 from streamck.errors import Info, StreamckError, UsageError
-from streamck.source import open_checkpoint
 
 if TYPE_CHECKING:
     from streamck.check.diff import Side
+    from streamck.plan import Plan
     from streamck.source import Checkpoint
+    from streamck.spec import SourceSpec
 
 
 def human(n: int) -> str:
@@ -50,10 +51,31 @@ def _note(ckpt: Checkpoint, quiet: bool = False) -> Checkpoint:
     return ckpt
 
 
-def _open(args: argparse.Namespace, src: str | os.PathLike | None = None) -> Checkpoint:
-    """The command's source, opened with its --step, --key, --zero and --keep-tied."""
-    path = args.src if src is None else src
-    return _note(open_checkpoint(path, getattr(args, "step", None), args.key, args.zero, args.keep_tied))
+def _spec(args: argparse.Namespace, path: str | None = None, zero: bool | None = None) -> SourceSpec:
+    """The command's source and how to read it (its source options), as the library takes it."""
+    from streamck.spec import SourceSpec
+
+    return SourceSpec(
+        args.src if path is None else path,
+        step=args.step,
+        key=args.key,
+        zero=args.zero if zero is None else zero,
+        keep_tied=args.keep_tied,
+        plan=args.plan,
+        hf_config=args.hf_config,
+        verifier=args.verifier,
+        aux_layer_ids=args.aux_layer_ids,
+    )
+
+
+def _notes(plan: Plan, quiet: bool = False) -> Plan:
+    """Print a plan's notices and its source's (see _note)."""
+    if plan.source is not None:
+        _note(plan.source, quiet)
+    for line in plan.notices:
+        if not (quiet and isinstance(line, Info)):
+            print(f"streamck: note: {line}", file=sys.stderr)
+    return plan
 
 
 def _files(t, root: Path) -> str:
@@ -64,7 +86,15 @@ def _files(t, root: Path) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    ckpt = _open(args)
+    spec = _spec(args)
+    if spec.plan is not None:  # what the plan would write
+        plan = _notes(spec.compile(), args.quiet)
+        if args.json:
+            sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
+        else:
+            _print_plan(plan)
+        return 0
+    ckpt = _note(spec.open(), args.quiet)
     if args.json:
         sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
         return 0
@@ -87,18 +117,10 @@ def _compile(args: argparse.Namespace):
     from streamck.api import build_plan
 
     plan = build_plan(
-        args.src,
+        _spec(args),
         rules=args.rules or (),
-        plan=args.plan,
         dtype=args.dtype,
-        step=args.step,
-        key=args.key,
-        zero=args.zero,
-        keep_tied=args.keep_tied,
         copy_files=not args.no_copy_files,
-        verifier=args.verifier,
-        aux_layer_ids=args.aux_layer_ids,
-        hf_config=args.hf_config,
         merge_lora=args.merge_lora,
         safe_merge=args.safe_merge,
         merge_lora_any_base=args.merge_lora_any_base,
@@ -106,12 +128,9 @@ def _compile(args: argparse.Namespace):
         quantize=args.quantize,
         quantize_ignore=args.quantize_ignore or (),
     )
-    if args.quantize is not None and args.device not in (None, "cpu"):
+    if args.quantize is not None and getattr(args, "device", None) not in (None, "cpu"):
         raise UsageError(f"--quantize with --device {args.device}: quantizing runs on the CPU only (for now)")
-    if plan.source is not None:
-        _note(plan.source, getattr(args, "quiet", False))
-    for line in plan.notices:
-        print(f"streamck: note: {line}", file=sys.stderr)
+    _notes(plan, args.quiet)
     return plan
 
 
@@ -120,10 +139,8 @@ def _print_plan(plan) -> None:
         print(line)
     rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
     for t in plan.tensors:
-        copy = t.merge is not None and t.merge.kind == "copy"  # a saved copy, rounded to the base's dtype
-        src = t.merge.b if copy else t.source
+        src = t.transform.origin(t.source) if t.transform is not None else t.source
         dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
-        dtype += " +LoRA" if t.merge is not None and not copy else ""
         dtype += f" {t.transform.label}" if t.transform is not None and t.transform.label else ""
         rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
     table(rows)
@@ -205,18 +222,24 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 def _side(path: str, args: argparse.Namespace, zero: bool) -> Side:
     """One side of ``diff``, its notices on stderr."""
-    from streamck.check.diff import load_side
+    from streamck.api import load_side
 
-    side = load_side(path, key=args.key, zero=zero, keep_tied=args.keep_tied)
+    side = load_side(_spec(args, path, zero))
     if side.checkpoint is not None:
-        _note(side.checkpoint)
+        _note(side.checkpoint, args.quiet)
     return side
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
-    from streamck.check.digest import hash_manifest
+    spec = _spec(args)
+    if spec.plan is None:
+        from streamck.check.digest import hash_manifest
 
-    m = hash_manifest(_open(args))
+        m = hash_manifest(_note(spec.open(), args.quiet))
+    else:
+        from streamck.writer import plan_digests
+
+        m = plan_digests(_notes(spec.compile(), args.quiet))
     text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())
     if args.output:
         Path(args.output).write_text(text)

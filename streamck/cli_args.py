@@ -25,22 +25,43 @@ class _AddRule(argparse.Action):
 
 
 def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None:
-    if not diff:
-        parser.add_argument("--step", help="in a training run root: a step number, or latest")
-    parser.add_argument(
+    """What every command reads its source with (streamck.spec.SourceSpec's fields)."""
+    group = parser.add_argument_group("source: which checkpoint, read how" + (" (both sides)" if diff else ""))
+    group.add_argument("--step", help="in a training run root: a step number, or latest")
+    group.add_argument(
         "--key",
         help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict); "
         "in a DCP checkpoint: only the items under this prefix (model, app.model), the prefix taken off",
     )
     zero = "read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
-    parser.add_argument("--zero", action="store_true", help=zero + (" (both sides)" if diff else ""))
+    group.add_argument("--zero", action="store_true", help=zero)
     if diff:
-        parser.add_argument("--zero-a", action="store_true", help=f"{zero}, on side a only")
-        parser.add_argument("--zero-b", action="store_true", help=f"{zero}, on side b only")
-    parser.add_argument(
+        group.add_argument("--zero-a", action="store_true", help=f"{zero}, on side a only")
+        group.add_argument("--zero-b", action="store_true", help=f"{zero}, on side b only")
+    group.add_argument(
         "--keep-tied",
         action="store_true",
         help="from ZeRO or FSDP state: write a tied head (lm_head.weight) too, even where config.json ties it",
+    )
+    group.add_argument(
+        "--plan",
+        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan-llama3, megatron-gpt) or a TOML "
+        "plan file (its rules come first); ls, diff and hash then show what the plan would write",
+    )
+    group.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="with --plan torchtitan-llama3 or megatron-gpt: the model's Hugging Face config.json (its sizes; "
+        "written beside the weights), over a config.json beside the step",
+    )
+    group.add_argument(
+        "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
+    )
+    group.add_argument(
+        "--aux-layer-ids",
+        metavar="K,K,K",
+        help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
+        "(Automodel's ids), over what the step records",
     )
 
 
@@ -60,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
     ls.add_argument("src", help="a .safetensors file or a checkpoint directory")
     ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    ls.add_argument("-q", "--quiet", action="store_true", help="only notes that ask for action")
     _source_options(ls)
 
     rw = sub.add_parser("rewrite", help="rename, filter and cast into a new checkpoint, streaming")
@@ -88,26 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="cast matching floating tensors; wins over --dtype, last match wins",
     )
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
-    rules.add_argument(
-        "--plan",
-        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan-llama3, megatron-gpt) or a TOML "
-        "plan file (its rules come first)",
-    )
-    rules.add_argument(
-        "--hf-config",
-        metavar="FILE",
-        help="with --plan torchtitan-llama3 or megatron-gpt: the model's Hugging Face config.json (its sizes; "
-        "written beside the weights), over a config.json beside the step",
-    )
-    rules.add_argument(
-        "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
-    )
-    rules.add_argument(
-        "--aux-layer-ids",
-        metavar="K,K,K",
-        help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
-        "(Automodel's ids), over what the step records",
-    )
     lora = rw.add_argument_group("merging a PEFT LoRA adapter (needs torch)")
     lora.add_argument("--merge-lora", metavar="ADAPTER", help="merge this adapter folder in (as merge_and_unload)")
     lora.add_argument("--safe-merge", action="store_true", help="as PEFT's safe_merge: refuse non-finite results")
@@ -167,11 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
     df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
     df.add_argument("--json", action="store_true", help="print the result as JSON")
+    df.add_argument("-q", "--quiet", action="store_true", help="only notes that ask for action")
     _source_options(df, diff=True)
 
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")
     hs.add_argument("src", help="a .safetensors file or a checkpoint directory")
     hs.add_argument("--json", action="store_true", help="print a hash manifest (diff accepts it)")
     hs.add_argument("-o", "--output", help="write to this file instead of stdout")
+    hs.add_argument("-q", "--quiet", action="store_true", help="only notes that ask for action")
     _source_options(hs)
     return parser

@@ -7,7 +7,6 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from streamck.dtypes import CASTABLE, TORCH_NAMES, nbytes
 from streamck.errors import PlanError, listing
@@ -15,23 +14,19 @@ from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
 from streamck.source.header import METADATA_KEY
 from streamck.source.layout import side_files
-
-if TYPE_CHECKING:  # lora imports this module
-    from streamck.plan.lora import LoraMerge
+from streamck.transforms import Transform
 
 
 @dataclass(frozen=True, slots=True)
 class OutputTensor:
-    """One tensor of the output: its name, its source, and the dtype it is written in."""
+    """One tensor of the output: its name, its source, the dtype it is written in, and, when
+    its bytes are computed rather than copied or cast, the transform that computes them
+    (a LoRA merge, streamck.transforms) with the output's shape where that differs."""
 
     name: str
     source: TensorRef
     dtype: str
-    # Set when the bytes are computed, not copied or cast: a LoRA merge (streamck.plan.lora.LoraMerge).
-    merge: LoraMerge | None = None
-    # Set when the bytes are computed by a transform (streamck.transforms: quantize, dequantize),
-    # with the output's shape where it differs from the source's (packed FP4, scales).
-    transform: Any = None
+    transform: Transform | None = None
     out_shape: tuple[int, ...] | None = None
 
     @property
@@ -44,7 +39,7 @@ class OutputTensor:
 
     @property
     def is_cast(self) -> bool:
-        return self.dtype != self.source.dtype and self.merge is None and self.transform is None
+        return self.dtype != self.source.dtype and self.transform is None
 
 
 @dataclass

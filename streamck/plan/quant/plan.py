@@ -67,7 +67,7 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
         if not is_target(t.name, ignore):
             tensors.append(t)
             continue
-        if t.transform is not None or t.merge is not None:
+        if t.transform is not None:
             raise PlanError(
                 f"--quantize {scheme}: {t.name} is computed (a LoRA merge): merge in one run, quantize in another"
             )
