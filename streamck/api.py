@@ -76,7 +76,8 @@ def build_plan(
 def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequence[str]) -> Plan:
     """Dequantize a quantized source on ``--dtype``, or refuse a cast that would drop its scales;
     then quantize (``--quantize``). See streamck.plan.quant."""
-    from streamck.plan.quant import SCALE_NAMES, dequantize_plan, quantize_plan, quantized_kind
+    from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_kind
+    from streamck.plan.quant.plan import quantize_plan
 
     if ignore and scheme is None:
         raise UsageError("--quantize-ignore applies to --quantize only")
