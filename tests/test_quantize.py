@@ -130,3 +130,24 @@ def test_memory_is_a_band_not_a_tensor(tmp_path, scheme):
     torch_only = _peak("baseline")
     peak = _peak(scheme, str(src), str(tmp_path / "out.safetensors"))
     assert peak - torch_only < 64, (torch_only, peak)
+
+
+def test_merge_lora_then_quantize_in_one_pass(tmp_path):
+    """--merge-lora with --quantize: the merged weights quantized as model_free_ptq quantizes
+    PEFT's merge_and_unload output (both producers run here), in one streaming pass."""
+    pytest.importorskip("peft")
+    from lora_fixtures import make_adapter, make_base, peft_merge
+    from quant_fixtures import run_oracle
+
+    base = make_base(tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_merge(base, adapter, tmp_path / "merged")
+    run_oracle("ptq", tmp_path / "merged", tmp_path / "oracle", "FP8_BLOCK", "lm_head")
+    out = tmp_path / "out"
+    proc = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", "FP8_BLOCK",
+               "--quantize-ignore", "lm_head", "--verify", check=0)  # fmt: skip
+    a, b = tensors(out), tensors(tmp_path / "oracle")
+    assert sorted(a) == sorted(b)
+    assert [n for n in a if a[n] != b[n]] == []
+    dry = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", "FP8_BLOCK", "--dry-run", check=0)
+    assert "+LoRA FP8_BLOCK weight" in dry.stdout, proc.stderr

@@ -21,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from streamck.dtypes import TORCH_NAMES
+from streamck.dtypes import BITS, TORCH_NAMES
 from streamck.errors import OutputError
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
+from streamck.transforms.base import Computed, PieceStream, Transform
 
 TILE = 128
 FP8_MAX = 448.0
@@ -51,35 +52,44 @@ class Fp8:
     compute: str
     engine: str = "torch"
     exact: bool = True
+    # The transform whose output is quantized (a LoRA merge), read as it computes it; None: the source.
+    inner: Transform | None = None
 
     @property
     def label(self) -> str:
-        return f"{SCHEME_OF[self.strategy]} {self.part}"
+        merged = f"{self.inner.label} " if self.inner is not None and self.inner.label else ""
+        return f"{merged}{SCHEME_OF[self.strategy]} {self.part}"
 
     def inputs(self) -> tuple[TensorRef, ...]:
-        return ()
+        return () if self.inner is None else self.inner.inputs()
 
     def origin(self, source: TensorRef) -> TensorRef:
-        return source
+        return source if self.inner is None else self.inner.origin(source)
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """The part's bytes, one band of rows at a time (see the module's docstring)."""
         import torch
 
-        for block in _bands(target.source, self.compute, reader):
+        ref, stream = target.source, None
+        if self.inner is not None:  # the merged weight, in the dtype it is quantized from
+            computed = Computed(target.name, ref, self.compute)
+            stream = PieceStream(self.inner.pieces(computed, reader, space))
+            ref = ref._replace(dtype=self.compute)
+        for block in _bands(ref, self.compute, reader, stream):
             scale = _scales(block, self.strategy)
             out = scale if self.part == "scale" else _quantize(block, scale, self.strategy)
             yield memoryview(out.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def _bands(ref: TensorRef, compute: str, reader: Reader):
-    """``ref`` as tensors of ``compute`` dtype, one band of rows at a time."""
+def _bands(ref: TensorRef, compute: str, reader: Reader, stream: PieceStream | None = None):
+    """``ref`` (or what ``stream`` yields in ``ref``'s dtype and shape) as tensors of ``compute``
+    dtype, one band of rows at a time."""
     import torch
 
     rows, cols = ref.shape
-    size = ref.nbytes // max(ref.numel, 1)
+    size = BITS[ref.dtype] // 8
     src, dst = getattr(torch, TORCH_NAMES[ref.dtype]), getattr(torch, TORCH_NAMES[compute])
-    stream = reader.stream(ref)
+    stream = reader.stream(ref) if stream is None else stream
     strategy = "block"  # bands of whole tiles serve both strategies
     for start, end in band_rows(rows, cols, size, strategy):
         buf = bytearray((end - start) * cols * size)

@@ -67,10 +67,8 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
         if not is_target(t.name, ignore):
             tensors.append(t)
             continue
-        if t.transform is not None:
-            raise PlanError(
-                f"--quantize {scheme}: {t.name} is computed (a LoRA merge): merge in one run, quantize in another"
-            )
+        if t.transform is not None and t.transform.origin(t.source) is not t.source:
+            raise PlanError(f"--quantize {scheme}: {t.name} is a saved copy from the adapter; quantize after merging")
         if len(t.shape) != 2 or t.dtype not in CASTABLE or t.source.dtype not in CASTABLE:
             bad.append(f"{t.name} ({t.dtype}{list(t.shape)})")
             continue
@@ -100,14 +98,20 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
 
 
 def _quantized(t: OutputTensor, strategy: str) -> list[OutputTensor]:
-    """The weight's FP8 values and its scale, both computed from the weight's source."""
+    """The weight's FP8 values and its scale, both computed from the weight's source (or from
+    what its transform computes: a merged LoRA weight, merged once for each)."""
     rows, cols = t.shape
     module = t.name.rpartition(".")[0]
     grid = (rows, 1) if strategy == "channel" else (-(-rows // TILE), -(-cols // TILE))
+    inner = t.transform  # a LoRA merge: its output is what is quantized, in the same pass
     return [
-        OutputTensor(t.name, t.source, "F8_E4M3", transform=Fp8("weight", strategy, t.dtype)),
+        OutputTensor(t.name, t.source, "F8_E4M3", transform=Fp8("weight", strategy, t.dtype, inner=inner)),
         OutputTensor(
-            f"{module}.weight_scale", t.source, t.dtype, transform=Fp8("scale", strategy, t.dtype), out_shape=grid
+            f"{module}.weight_scale",
+            t.source,
+            t.dtype,
+            transform=Fp8("scale", strategy, t.dtype, inner=inner),
+            out_shape=grid,
         ),
     ]
 
