@@ -60,12 +60,16 @@ def build_plan(
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
+    experts: str = "auto",
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
     to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``merge_lora_any_base``
     skips the check that it was trained on this base; ``merge_engine="numpy"`` merges without
-    torch, not bit for bit), see streamck.plan.lora.
+    torch, not bit for bit), see streamck.plan.lora. ``experts`` is how MoE experts come out:
+    ``"auto"`` as save_pretrained writes them (fused runtime tensors split per expert, the family
+    from config.json), ``"keep"`` as the source has them, ``"fuse"`` fused as transformers runs
+    them (see streamck.plan.moe).
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
@@ -106,9 +110,18 @@ def build_plan(
         raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
     base = load_rules(plan) if plan is not None else Rules()
     compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
+    compiled = _experts(compiled, experts)
     if merge_lora is None:
         return compiled
     return _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
+
+
+def _experts(plan: Plan, mode: str) -> Plan:
+    from streamck.plan.moe import MODES, apply_experts
+
+    if mode not in MODES:
+        raise UsageError(f"experts={mode!r}: one of {', '.join(MODES)}")
+    return apply_experts(plan, mode)
 
 
 def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
@@ -163,6 +176,7 @@ def rewrite(
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
+    experts: str = "auto",
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
@@ -177,7 +191,8 @@ def rewrite(
     target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
     (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
     an ``eagle3`` plan's step records; ``hf_config`` is the Hugging Face config.json giving
-    a trainer plan's model sizes (``plan="torchtitan-llama3"``, ``"megatron-gpt"``); ``jobs``
+    a trainer plan's model sizes (``plan="torchtitan-llama3"``, ``"megatron-gpt"``); ``experts``
+    is how MoE experts are written (``"auto"``, ``"keep"``, ``"fuse"``: see build_plan); ``jobs``
     writes that many shards at once; ``part="K/N"`` writes only part K of N of the shards
     (see streamck.writer.parts); ``keep_shards`` writes one file per source file, tensors in
     the source's order, so that where the filesystem can share blocks (XFS reflink, btrfs) a
@@ -212,6 +227,7 @@ def rewrite(
         safe_merge=safe_merge,
         merge_lora_any_base=merge_lora_any_base,
         merge_engine=merge_engine,
+        experts=experts,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(

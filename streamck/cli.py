@@ -74,6 +74,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
     table(rows)
+    from streamck.plan.moe.blocks import layout_line
+
+    moe = layout_line({t.name: t.shape for t in ckpt.tensors.values()})
+    if moe:
+        print(moe)
     print(
         f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) "
         f"{'under ' + str(ckpt.root) if ckpt.path.is_dir() else 'in ' + str(ckpt.path)}, {human(ckpt.total_size)} "
@@ -103,6 +108,7 @@ def _compile(args: argparse.Namespace):
         safe_merge=args.safe_merge,
         merge_lora_any_base=args.merge_lora_any_base,
         merge_engine=args.merge_engine,
+        experts=args.experts,
     )
     if plan.source is not None:
         _note(plan.source, getattr(args, "quiet", False))

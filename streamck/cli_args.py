@@ -108,6 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
         "(Automodel's ids), over what the step records",
     )
+    moe = rw.add_argument_group("Mixture-of-Experts (default: per expert, as save_pretrained writes them)")
+    moe_way = moe.add_mutually_exclusive_group()
+    moe_way.add_argument(
+        "--keep-fused",
+        dest="experts",
+        action="store_const",
+        const="keep",
+        default="auto",
+        help="write fused runtime experts (experts.gate_up_proj/down_proj) as the trainer saved them",
+    )
+    moe_way.add_argument(
+        "--fuse-experts",
+        dest="experts",
+        action="store_const",
+        const="fuse",
+        help="write per-expert tensors fused, as transformers 5 runs them (needs config.json)",
+    )
     lora = rw.add_argument_group("merging a PEFT LoRA adapter (needs torch)")
     lora.add_argument("--merge-lora", metavar="ADAPTER", help="merge this adapter folder in (as merge_and_unload)")
     lora.add_argument("--safe-merge", action="store_true", help="as PEFT's safe_merge: refuse non-finite results")
