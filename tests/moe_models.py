@@ -21,23 +21,35 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-_MLA = dict(num_key_value_heads=2, head_dim=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
+_MLA = dict(num_key_value_heads=2, head_dim=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4)
+_MLA["v_head_dim"] = 4
 # model_type -> the config fields that make it an MoE of 4 experts (first_k_dense_replace=1: one dense layer).
+_SHARED = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12)
 SPECS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12),
-    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12),
+    "qwen2_moe": _SHARED,
+    "qwen3_next": _SHARED,
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "minimax": dict(num_local_experts=4, num_experts_per_tok=2),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "deepseek_v3": dict(
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=1, topk_group=1, **_MLA,
-    ),  # fmt: skip
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        **_MLA,
+    ),
     "deepseek_v2": dict(
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1,
-        first_k_dense_replace=1, **_MLA,
-    ),  # fmt: skip
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        **_MLA,
+    ),
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, first_k_dense_replace=1),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2),
