@@ -130,7 +130,8 @@ def _print_plan(plan) -> None:
     table(rows)
     src = plan.source
     dropped = len(src.tensors) - len(plan.tensors) if src else 0
-    print(f"{len(plan.tensors)} tensors ({dropped} dropped), {human(plan.total_size)} ({plan.total_size} bytes)")
+    counts = f"{dropped} dropped" if dropped >= 0 else f"from {len(src.tensors)} source tensors"  # experts split
+    print(f"{len(plan.tensors)} tensors ({counts}), {human(plan.total_size)} ({plan.total_size} bytes)")
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
