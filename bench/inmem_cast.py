@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from streamck.writer.npcast import Converter
+from streamck.transforms.npcast import Converter
 
 n = int(sys.argv[1]) // 4
 src = np.random.default_rng(0).standard_normal(n, dtype=np.float32).view(np.uint8)

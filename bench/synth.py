@@ -127,7 +127,7 @@ DRAFT_CONFIG = {
 def make_eagle4_draft(root: Path, scale: int) -> Path:
     """A trained EAGLE-4 draft for a 70B target (H=8192, I=28672, V=128256, T=8192, A=3,
     R=1024), every size divided by ``scale``, written as a step directory."""
-    from streamck.plan.eagle4 import training_shapes
+    from streamck.plan.eagle4.plan import training_shapes
 
     H, I, V, R = 8192 // scale, 28672 // scale, 128256 // scale, 1024 // scale  # noqa: E741
     config = {

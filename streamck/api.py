@@ -127,7 +127,7 @@ def _experts(plan: Plan, mode: str) -> Plan:
 def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
     """``plan`` with the adapter merged in: by torch (PEFT's bits) when it is installed, else
     by numpy (not bit for bit), which the plan's summary and notices say."""
-    from streamck.plan.lora import ENGINES, merge_lora
+    from streamck.plan.lora.plan import ENGINES, merge_lora
 
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--merge-engine {engine}: one of {', '.join(ENGINES)}")

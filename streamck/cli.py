@@ -122,10 +122,9 @@ def _print_plan(plan) -> None:
         print(line)
     rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
     for t in plan.tensors:
-        copy = t.merge is not None and t.merge.kind == "copy"  # a saved copy, rounded to the base's dtype
-        src = t.merge.b if copy else t.source
+        src = t.transform.origin(t.source) if t.transform is not None else t.source
         dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
-        dtype += " +LoRA" if t.merge is not None and not copy else ""
+        dtype += f" {t.transform.label}" if t.transform is not None and t.transform.label else ""
         rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
     table(rows)
     src = plan.source

@@ -1,7 +1,7 @@
 """NeMo Automodel EAGLE-3 draft steps (built by Automodel's own code: automodel_eagle3.py),
 and what the serving engines do with a served config, written out here as data with the
 engine versions and files they were read from, independently of streamck's tables
-(``streamck/plan/eagle3_layout.py``).
+(``streamck/plan/eagle3/layout.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from helpers import cli, raw_file
 from test_cast import ALL_16, _f32_ties, assert_same_as_torch, cast_via_streamck
 
 from streamck import Rules, compile_plan, open_checkpoint, write_plan
-from streamck.writer.cudacast import pipeline
+from streamck.transforms.cudacast import pipeline
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -211,7 +211,7 @@ def test_out_of_memory_is_one_line(tmp_path, monkeypatch, capsys):
 @no_gpu
 def test_an_error_mid_tensor_waits_for_the_slot_streams(tmp_path, monkeypatch):
     from streamck import CheckpointError, Rule
-    from streamck.writer.cudacast import CudaCaster
+    from streamck.transforms.cudacast import CudaCaster
 
     cuda = StandIn(monkeypatch)
     path = _checkpoint(tmp_path)
@@ -219,7 +219,7 @@ def test_an_error_mid_tensor_waits_for_the_slot_streams(tmp_path, monkeypatch):
     with open(path, "r+b") as f:  # the source is cut short after indexing: the read fails mid-tensor
         f.truncate(600_000)
     caster = CudaCaster(40_000, "cuda")
-    monkeypatch.setattr("streamck.writer.cudacast.CudaCaster", lambda *a, **k: caster)
+    monkeypatch.setattr("streamck.transforms.casters.CudaCaster", lambda *a, **k: caster)
     with pytest.raises(CheckpointError, match="ended before"):
         write_plan(plan, tmp_path / "o" / "g.safetensors", chunk=40_000, device="cuda")
     assert {id(s) for *_, s in caster.slots} <= {id(s) for s in cuda.synced}

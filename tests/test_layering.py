@@ -1,5 +1,6 @@
-"""The package's layering, read from the source: data flows source → plan → writer, and no
-two modules import each other (lazy imports inside functions count too)."""
+"""The package's layering, read from the source: data flows source → transforms → plan →
+writer, and no module imports another in a circle (imports inside functions and type-only
+imports count too: a circle says a type lives in the wrong module)."""
 
 import ast
 from pathlib import Path
@@ -7,10 +8,18 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "streamck"
 # What each layer may not import.
 FORBIDDEN = {
-    "streamck.source": ("streamck.plan", "streamck.writer", "streamck.check", "streamck.api", "streamck.cli"),
+    "streamck.source": (
+        "streamck.transforms",
+        "streamck.plan",
+        "streamck.writer",
+        "streamck.check",
+        "streamck.api",
+        "streamck.cli",
+    ),
+    "streamck.transforms": ("streamck.plan", "streamck.writer", "streamck.check", "streamck.api", "streamck.cli"),
     "streamck.plan": ("streamck.writer", "streamck.check", "streamck.api", "streamck.cli"),
     "streamck.writer": ("streamck.check", "streamck.api", "streamck.cli"),
-    "streamck.check": ("streamck.plan", "streamck.writer", "streamck.api", "streamck.cli"),
+    "streamck.check": ("streamck.transforms", "streamck.plan", "streamck.writer", "streamck.api", "streamck.cli"),
 }
 
 
@@ -19,16 +28,25 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+MODULES = {_module(p) for p in PACKAGE.rglob("*.py")}
+
+
+def _names(node: ast.AST) -> list[str]:
+    """The streamck modules an import statement loads: ``from pkg import mod`` is ``pkg.mod``
+    when that is a module, else ``pkg`` itself."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names]
+    return []
+
+
 def imports() -> dict[str, set[str]]:
+    """Every module's imports of streamck modules, wherever they stand in the file."""
     graph = {}
     for path in PACKAGE.rglob("*.py"):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("streamck"):
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("streamck"))
-        graph[_module(path)] = found
+        tree = ast.parse(path.read_text())
+        graph[_module(path)] = {n for node in ast.walk(tree) for n in _names(node) if n.split(".")[0] == "streamck"}
     return graph
 
 
@@ -44,34 +62,65 @@ def test_layers_import_only_downstream():
     assert wrong == []
 
 
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_no_import_cycles():
-    graph = imports()
-    modules = set(graph)
+    graph = {m: {d for d in deps if d in MODULES and d != m} for m, deps in imports().items()}
+    assert cycles(graph) == []
 
-    def resolve(dep: str) -> str | None:  # streamck.source imports streamck.source.header: a package edge
-        return dep if dep in modules else None
 
-    edges = {
-        m: {d for d in map(resolve, deps) if d and d != m and not m.startswith(d + ".")} for m, deps in graph.items()
-    }
-    cycles = []
-    for start in edges:
-        stack, seen = [(start, [start])], set()
-        while stack:
-            node, path = stack.pop()
-            for nxt in edges.get(node, ()):
-                if nxt == start and len(path) > 1 and not all(p == start or start.startswith(p) for p in path):
-                    cycles.append(" -> ".join([*path, start]))
-                elif nxt not in seen:
-                    seen.add(nxt)
-                    stack.append((nxt, [*path, nxt]))
-    # A package's __init__ re-exporting its own modules is not a cycle of behaviour.
-    real = [
-        c
-        for c in cycles
-        if not all(c.split(" -> ")[0].split(".")[:2] == p.split(".")[:2] for p in c.split(" -> ")) or "writer.cast" in c
-    ]
-    assert real == []
+def test_the_cycle_check_finds_a_type_only_circle():
+    """The check itself: a circle through an ``if TYPE_CHECKING:`` import is found."""
+    a = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from streamck.b import B\n"
+    graph = {"streamck.a": set(), "streamck.b": {"streamck.a"}}
+    graph["streamck.a"] = {n for node in ast.walk(ast.parse(a)) for n in _names(node) if n.startswith("streamck")}
+    assert cycles(graph) == [["streamck.a", "streamck.b"]]
+
+
+def test_the_writer_never_imports_torch():
+    """The writer only writes: torch is the transforms' engines' business."""
+    wrong = []
+    for path in (PACKAGE / "writer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            wrong += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "torch"]
+    assert wrong == []
+
+
+def test_plan_top_level_is_shared_machinery():
+    """``streamck/plan``'s own modules are the shared machinery; families live in packages."""
+    top = sorted(p.stem for p in (PACKAGE / "plan").glob("*.py"))
+    assert top == ["__init__", "compile", "contract", "hf_export", "rules"]
 
 
 def test_bench_and_scripts_import_no_test_module():
@@ -99,11 +148,11 @@ def test_bench_and_scripts_import_no_test_module():
 
 # The built-in plans' modules and the trainers' readers only they need.
 PLAN_MODULES = (
-    "streamck.plan.eagle3",
-    "streamck.plan.eagle4",
+    "streamck.plan.eagle3.plan",
+    "streamck.plan.eagle4.plan",
     "streamck.plan.hf_export",
-    "streamck.plan.megatron",
-    "streamck.plan.torchtitan",
+    "streamck.plan.megatron.plan",
+    "streamck.plan.torchtitan.plan",
     "streamck.source.distcp",
 )
 
@@ -128,23 +177,25 @@ def test_plans_are_imported_when_asked_for(tmp_path):
         f"assert main(['rewrite', {str(ckpt)!r}, '-o', {str(tmp_path / 'o')!r}, '--strip-prefix', 'model.']) == 0\n"
         "assert not loaded(), f'a rules rewrite imported {loaded()}'\n"
         "from streamck.plan import BUILTIN_PLANS, megatron_plan\n"
-        "assert BUILTIN_PLANS['megatron-gpt'] is megatron_plan and 'streamck.plan.megatron' in sys.modules\n"
+        "assert BUILTIN_PLANS['megatron-gpt'] is megatron_plan and 'streamck.plan.megatron.plan' in sys.modules\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
-def test_no_plan_imports_another_plan():
+def test_no_plan_family_imports_another():
     """The built-in plans share their checks through streamck.plan.contract (and the
-    trainer exports through hf_export), never by importing one another."""
-    from streamck.plan import PLAN_FUNCTIONS
+    trainer exports through hf_export), never by importing another family's modules."""
 
-    plans = {module for module, _ in PLAN_FUNCTIONS.values()}
+    def family(mod: str) -> str | None:
+        parts = mod.split(".")
+        return parts[2] if len(parts) > 3 and parts[1] == "plan" else None
+
     wrong = [
         f"{mod} imports {dep}"
         for mod, deps in imports().items()
         if mod.startswith("streamck.plan.")
         for dep in deps
-        if dep in plans and dep != mod
+        if family(dep) is not None and family(dep) != family(mod)
     ]
     assert wrong == []

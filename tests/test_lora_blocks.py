@@ -1,5 +1,5 @@
 """The merge's row blocks give the whole-tensor bits: torch's CPU GEMM (and DoRA's row norm)
-sum each element in the same order for every block streamck.writer.merge.row_blocks makes,
+sum each element in the same order for every block streamck.transforms.lora.row_blocks makes,
 for ranks up to 256; and end to end against PEFT on a wider base at r = 64, 128 and 256."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import torch
 from lora_fixtures import make_adapter, make_base, peft_merge
 from test_lora import assert_same
 
-import streamck.writer.merge
+import streamck.transforms.lora
 from streamck import write_plan
 from streamck.api import build_plan
-from streamck.writer.merge import BLOCK_ROWS, one_thread, row_blocks
+from streamck.transforms.lora import BLOCK_ROWS, row_blocks
+from streamck.transforms.lora_torch import one_thread
 
 RANKS = (8, 16, 32, 64, 128, 256)
 # (rows, cols): multiples of 16, a tail of 1 (4097: alone, a block of 1 row sums differently), odd sizes.
@@ -63,6 +64,6 @@ def wide_base(tmp_path_factory):
 def test_high_rank_against_peft(wide_base, tmp_path, monkeypatch, r, dora):
     adapter = make_adapter(wide_base, tmp_path / "adapter", r=r, lora_alpha=2 * r, use_dora=dora)
     want = peft_merge(wide_base, adapter, tmp_path / "peft")
-    monkeypatch.setattr(streamck.writer.merge, "MERGE_CHUNK", 4096)  # every tensor in several blocks
+    monkeypatch.setattr(streamck.transforms.lora, "MERGE_CHUNK", 4096)  # every tensor in several blocks
     write_plan(build_plan(wide_base, merge_lora=adapter), tmp_path / "out")
     assert_same(tmp_path / "out", want)

@@ -15,8 +15,7 @@ from safetensors import safe_open
 from test_lora import assert_same, load_dir
 from test_lora_refusals import refused
 
-import streamck.writer.merge
-import streamck.writer.merge_np
+import streamck.transforms.lora
 from streamck import write_plan
 from streamck.api import build_plan
 from streamck.errors import UsageError
@@ -121,14 +120,13 @@ def test_lora_bias_flag_and_tensors_disagree(root, tmp_path):
 def test_verify_computes_the_written_blocks(base, plain, tmp_path, monkeypatch):
     """The write and --verify cut each merge into the same blocks, whatever the writer's chunk."""
     calls = []
-    real = streamck.writer.merge.row_blocks
+    real = streamck.transforms.lora.row_blocks
 
     def spy(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(streamck.writer.merge, "row_blocks", spy)
-    monkeypatch.setattr(streamck.writer.merge_np, "row_blocks", spy, raising=False)
+    monkeypatch.setattr(streamck.transforms.lora, "row_blocks", spy)  # both engines' blocks
     for engine in ("torch", "numpy"):
         plan = build_plan(base, merge_lora=plain, merge_engine=engine)
         calls.clear()

@@ -226,8 +226,8 @@ def _with_args(run: Path, **changes) -> Path:
     import io
     import pickle
 
-    from streamck.plan.megatron import step_dir
-    from streamck.plan.megatron_args import read_args
+    from streamck.plan.megatron.args import read_args
+    from streamck.plan.megatron.plan import step_dir
 
     step = step_dir(run)
     args, iteration = read_args(step)

@@ -14,8 +14,8 @@ from test_cast import TORCH, cast_via_streamck
 
 from streamck import Rules, compile_plan, open_checkpoint, write_plan
 from streamck.errors import CheckpointError
-from streamck.writer.cast import Caster
-from streamck.writer.npcast import Converter, can_overflow, equal_but_nan_bits
+from streamck.transforms.cast import Caster
+from streamck.transforms.npcast import Converter, can_overflow, equal_but_nan_bits
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}

@@ -14,7 +14,7 @@ from helpers import cli, llama_like, read_all, save, save_sharded
 
 import streamck
 from streamck import PlanError, Rule, Rules, compile_plan, open_checkpoint
-from streamck.plan.eagle4_layout import BIASES, COPIED_CONFIG, TENSORS
+from streamck.plan.eagle4.layout import BIASES, COPIED_CONFIG, TENSORS
 
 REPO = Path(streamck.__file__).resolve().parents[1]
 

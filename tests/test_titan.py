@@ -193,7 +193,7 @@ def test_tied_head_differing_after_64_kib_is_refused(tmp_path):
     from safetensors.numpy import save_file
 
     from streamck.errors import PlanError
-    from streamck.plan.torchtitan import _same_head
+    from streamck.plan.torchtitan.plan import _same_head
     from streamck.source import open_checkpoint
 
     embed = np.random.default_rng(0).standard_normal((1024, 64), dtype=np.float32)  # 256 KiB

@@ -16,11 +16,11 @@ from streamck.plan.rules import Rule, Rules, load_rules
 
 # Built-in plan name -> (its module, its function).
 PLAN_FUNCTIONS = {
-    "eagle4": ("streamck.plan.eagle4", "eagle4_plan"),
-    "eagle3": ("streamck.plan.eagle3", "eagle3_plan"),
-    "eagle3-speculators": ("streamck.plan.eagle3", "eagle3_speculators_plan"),
-    "torchtitan-llama3": ("streamck.plan.torchtitan", "torchtitan_plan"),
-    "megatron-gpt": ("streamck.plan.megatron", "megatron_plan"),
+    "eagle4": ("streamck.plan.eagle4.plan", "eagle4_plan"),
+    "eagle3": ("streamck.plan.eagle3.plan", "eagle3_plan"),
+    "eagle3-speculators": ("streamck.plan.eagle3.plan", "eagle3_speculators_plan"),
+    "torchtitan-llama3": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),
+    "megatron-gpt": ("streamck.plan.megatron.plan", "megatron_plan"),
 }
 # The plan functions as attributes of this package, imported on first use.
 _LAZY = {function: module for module, function in PLAN_FUNCTIONS.values()}

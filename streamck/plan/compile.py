@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from streamck.dtypes import CASTABLE, TORCH_NAMES, nbytes
 from streamck.errors import PlanError, listing
@@ -14,32 +14,32 @@ from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
 from streamck.source.header import METADATA_KEY
 from streamck.source.layout import side_files
-
-if TYPE_CHECKING:  # lora imports this module
-    from streamck.plan.lora import LoraMerge
+from streamck.transforms import Transform
 
 
 @dataclass(frozen=True, slots=True)
 class OutputTensor:
-    """One tensor of the output: its name, its source, and the dtype it is written in."""
+    """One tensor of the output: its name, its source, the dtype it is written in, and, when
+    its bytes are computed rather than copied or cast, the transform that computes them
+    (a LoRA merge, streamck.transforms) with the output's shape where that differs."""
 
     name: str
     source: TensorRef
     dtype: str
-    # Set when the bytes are computed, not copied or cast: a LoRA merge (streamck.plan.lora.LoraMerge).
-    merge: LoraMerge | None = None
+    transform: Transform | None = None
+    out_shape: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.source.shape
+        return self.source.shape if self.out_shape is None else self.out_shape
 
     @property
     def nbytes(self) -> int:
-        return nbytes(self.dtype, self.source.numel)  # type: ignore[return-value]
+        return nbytes(self.dtype, math.prod(self.shape))  # type: ignore[return-value]
 
     @property
     def is_cast(self) -> bool:
-        return self.dtype != self.source.dtype and self.merge is None
+        return self.dtype != self.source.dtype and self.transform is None
 
 
 @dataclass

@@ -7,7 +7,6 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 
@@ -16,65 +15,10 @@ from streamck.errors import CheckpointError, listing
 from streamck.source import fsdp
 from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
+from streamck.source.index import Checkpoint, FileStamp
 from streamck.source.layout import Layout, find_layout, pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
-
-
-@dataclass(frozen=True, slots=True)
-class FileStamp:
-    """What a source file looked like when indexed, to notice it changing under us."""
-
-    size: int
-    mtime_ns: int
-    inode: int
-
-    @classmethod
-    def of(cls, path: Path) -> FileStamp:
-        st = os.stat(path)
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-@dataclass
-class Checkpoint:
-    """Every tensor of a checkpoint by name (in file order), with its file, byte range, dtype and shape.
-
-    ``root`` is the directory that holds the checkpoint (the file's directory for a
-    single file); ``files`` maps each shard to the stamp taken when it was indexed;
-    ``notices`` are lines a user should see (items skipped as not tensors, the sub-dict
-    of a torch pickle read): the library never prints them;
-    ``side_root`` holds the config and tokenizer files (``root`` when None).
-    """
-
-    path: Path
-    root: Path
-    tensors: dict[str, TensorRef]
-    metadata: dict[str, str]
-    files: dict[Path, FileStamp] = field(default_factory=dict)
-    notices: list[str] = field(default_factory=list)
-    side_root: Path | None = None
-
-    @property
-    def total_size(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-    def read(self, name: str) -> bytes:
-        """Tensor ``name``'s bytes in row-major order (the whole tensor, in memory: for
-        bounded reads use streamck.source.reader.Reader)."""
-        from streamck.source.reader import Reader
-
-        with Reader() as reader:
-            return reader.read(self.tensors[name])
-
-    def check_unchanged(self) -> None:
-        """Raise CheckpointError if any shard changed size, mtime or inode since indexing."""
-        for path, stamp in self.files.items():
-            try:
-                now = FileStamp.of(path)
-            except OSError as e:
-                raise CheckpointError(f"source vanished during the run: {e.strerror}", path) from None
-            if now != stamp:
-                raise CheckpointError("source file changed during the run", path)
 
 
 def _also_in(name: str, tensors: dict[str, TensorRef], shard: Path) -> CheckpointError:

@@ -4,14 +4,11 @@ under its own name too; the config decides whether it is left out (``--keep-tied
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from streamck.errors import listing
 from streamck.source import fsdp
 from streamck.source.crosscheck import side_object
-
-if TYPE_CHECKING:
-    from streamck.source.checkpoint import Checkpoint
+from streamck.source.index import Checkpoint
 
 # The output embeddings transformers ties to the input embeddings on load when the config
 # says ``tie_word_embeddings``; ``save_pretrained`` leaves them out. Other ties are kept.

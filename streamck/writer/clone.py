@@ -56,7 +56,7 @@ class Sharing:
     def may_share(self, t: OutputTensor) -> bool:
         """Whether ``t``'s bytes could be shared: unchanged, one run, in a file that can share."""
         ref = t.source
-        if self.device is None or t.is_cast or t.merge is not None:  # bytes computed here
+        if self.device is None or t.is_cast or t.transform is not None:  # bytes computed here
             return False
         if ref.strides is not None or ref.tiles is not None or ref.parts:
             return False

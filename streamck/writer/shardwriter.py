@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from streamck.errors import OutputError, UsageError
+from streamck.errors import OutputError
 from streamck.fileio import start_writeback, write_all
 from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
@@ -113,7 +113,7 @@ class ShardWriter:
         self.overflow: dict[str, int] = {}
         self._cpu_caster = None
         self._writeback_pool: ThreadPoolExecutor | None = None
-        self._merge_space: dict = {}  # a LoRA merge's buffers, kept from tensor to tensor
+        self._space: dict = {}  # the transforms' buffers, kept from tensor to tensor
 
     def close(self) -> None:
         for caster in (self.caster, self._cpu_caster):
@@ -133,17 +133,9 @@ class ShardWriter:
         """The caster for this run, made (torch imported, buffers allocated, the device
         checked) on first use; call it before writing to fail before any file exists."""
         if self.caster is None:
-            from streamck.writer.cast import CAST_CHUNK, Caster
+            from streamck.transforms.casters import make_caster
 
-            device, chunk = self.device or "cpu", min(self.chunk, CAST_CHUNK)
-            if device == "cpu":
-                self.caster = Caster(chunk)
-            elif device.split(":")[0] == "cuda":
-                from streamck.writer.cudacast import CudaCaster
-
-                self.caster = CudaCaster(chunk, device)
-            else:
-                raise UsageError(f"--device {device}: only cpu and cuda are supported")
+            self.caster = make_caster(self.device or "cpu", self.chunk)
         return self.caster
 
     def write(self, shard: Shard, out: int) -> None:
@@ -156,8 +148,8 @@ class ShardWriter:
             for group, span in spans(shard.tensors, self.sharing):
                 if span is not None:  # unchanged tensors that continue one another: one run
                     self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
-                elif (t := group[0]).merge is not None:
-                    for view in self.merged(t):
+                elif (t := group[0]).transform is not None:
+                    for view in self.computed(t):
                         write_all(out, view)
                         progress(len(view))
                 elif t.is_cast:
@@ -189,8 +181,8 @@ class ShardWriter:
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
         """``t``'s output bytes in bounded pieces: its source's, computed, or cast (on the CPU)."""
-        if t.merge is not None:
-            for view in self.merged(t):
+        if t.transform is not None:
+            for view in self.computed(t):
                 self.progress(len(view))
                 yield view
             return
@@ -207,20 +199,18 @@ class ShardWriter:
         if overflow:
             self.overflow[t.name] = overflow
 
-    def merged(self, t: OutputTensor) -> Iterator[memoryview]:
-        """A computed tensor's bytes (a LoRA merge, in torch or numpy)."""
-        from streamck.writer.merge_np import computed_pieces
-
-        return computed_pieces(t, self.reader, self._merge_space)
+    def computed(self, t: OutputTensor) -> Iterator[memoryview]:
+        """A computed tensor's bytes, from its transform (streamck.transforms)."""
+        return t.transform.pieces(t, self.reader, self._space)
 
     def cpu_caster(self):
         """A CPU caster: this run's own when it casts on the CPU, else one made on first use."""
         if (self.device or "cpu") == "cpu":
             return self.get_caster()
         if self._cpu_caster is None:
-            from streamck.writer.cast import CAST_CHUNK, Caster
+            from streamck.transforms.casters import make_caster
 
-            self._cpu_caster = Caster(min(self.chunk, CAST_CHUNK))
+            self._cpu_caster = make_caster("cpu", self.chunk)
         return self._cpu_caster
 
     def write_file(self, shard: Shard, path: Path) -> None:

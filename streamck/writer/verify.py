@@ -16,18 +16,16 @@ from streamck.writer.layout import Shard
 def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
     # A cast's NaN payload may legitimately differ (torch's vector and scalar loops
     # disagree, and so do CPU and CUDA); any other difference is a real one.
-    from streamck.writer.npcast import equal_but_nan_bits
+    from streamck.transforms.npcast import equal_but_nan_bits
 
     return equal_but_nan_bits(a, b, dtype)
 
 
 def _expected(t: OutputTensor, reader: Reader, caster_factory: Callable) -> Iterator[memoryview]:
     """What ``t`` should hold, in bounded pieces: its source's bytes, a fresh CPU cast, or
-    its merge computed again (deterministic: the same blocks in the same order)."""
-    if t.merge is not None:
-        from streamck.writer.merge_np import computed_pieces
-
-        yield from computed_pieces(t, reader)
+    its transform computed again (deterministic: the same blocks in the same order)."""
+    if t.transform is not None:
+        yield from t.transform.pieces(t, reader, {})
         return
     if not t.is_cast:
         yield from reader.windows(t.source)

@@ -1,7 +1,7 @@
 """``--plan eagle3`` and ``--plan eagle3-speculators``: a NeMo Automodel EAGLE-3 draft in
 the one layout vLLM and SGLang both load, or in the speculators 0.9 format.
 
-The tables (and the engine versions they were read from) are data in ``eagle3_layout.py``;
+The tables (and the engine versions they were read from) are data in ``layout.py``;
 the checks here run against them, all before anything is written.
 """
 
@@ -17,8 +17,8 @@ from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError, UsageError, listing
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
 from streamck.plan.contract import check_shape, compare_keys, evaluate, find_checkpoint_dir, load_config, only_casts
-from streamck.plan.eagle3_aux import AuxLayers, check_aux_layers, resolve_aux_layers
-from streamck.plan.eagle3_layout import (
+from streamck.plan.eagle3.aux import AuxLayers, check_aux_layers, resolve_aux_layers
+from streamck.plan.eagle3.layout import (
     AUX_ID_KEYS,
     AUX_TOP,
     DTYPE_KEYS,

@@ -15,7 +15,7 @@ from typing import Protocol
 from streamck.errors import DeviceError
 from streamck.fileio import write_all
 from streamck.source.reader import TensorStream
-from streamck.writer.cast import ITEMSIZE, can_overflow, chunk_steps, torch_dtype
+from streamck.transforms.cast import ITEMSIZE, can_overflow, chunk_steps, torch_dtype
 
 SLOTS = 2
 

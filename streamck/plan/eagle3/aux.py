@@ -3,7 +3,7 @@
 The ids are kept in Automodel's convention: id k is the output of target layer k. They come
 from the caller, else the recipe snapshot beside the step (Automodel writes none into the
 draft's config.json), else a config.json that holds some, else Automodel's default for the
-target's depth. The keys and shifts are data in ``eagle3_layout.py``.
+target's depth. The keys and shifts are data in ``layout.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamck.errors import PlanError, UsageError
-from streamck.plan.eagle3_layout import (
+from streamck.plan.eagle3.layout import (
     CONFIG_AUX_KEYS,
     DEFAULT_AUX,
     RECIPE_AUX_KEY,

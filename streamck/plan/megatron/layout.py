@@ -3,7 +3,7 @@
 GPTModel saves each decoder tensor stacked over its layers under one key with no layer
 index (``decoder.layers.…``, leading axis L), norms under Transformer Engine's names.
 Each row: Hugging Face name (``{i}``: layer), Megatron key, which rows of it (see
-streamck.plan.megatron ROWS; None: all), its Megatron shape in the symbols of
+streamck.plan.megatron.plan ROWS; None: all), its Megatron shape in the symbols of
 streamck.plan.megatron.sizes (QKV = (heads + 2 * groups) * head_dim; Vp the padded vocab).
 Sources: megatron-core 0.19.2 ``gpt_layer_specs.py`` (sharded_state_dict_keys_map),
 ``attention.py`` (``get_query_key_value_tensors``: per query group, its query heads, then

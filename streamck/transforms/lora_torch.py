@@ -1,4 +1,4 @@
-"""Computed tensors: a LoRA merge (streamck.plan.lora.LoraMerge), block by block, with torch.
+"""A LoRA merge (streamck.transforms.lora.LoraMerge) block by block with torch: PEFT's bits.
 
 PEFT computes a whole tensor's delta with one GEMM; this computes it for a block of rows at
 a time, which gives the same bits only when the CPU GEMM sums each element's r products in
@@ -17,33 +17,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import pairwise
+from dataclasses import dataclass
 
 from streamck.dtypes import TORCH_NAMES
 from streamck.errors import OutputError
-from streamck.plan import OutputTensor
-from streamck.source import TensorRef
+from streamck.source.header import TensorRef
 from streamck.source.reader import Reader
-
-BLOCK_ROWS = 16
-# fp32 bytes of W per block: W, the delta and their sum are each about this much.
-MERGE_CHUNK = 4 << 20
-
-
-def row_blocks(rows: int, row_bytes: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) row ranges of about ``chunk`` bytes (``row_bytes`` each row in fp32), each
-    a multiple of BLOCK_ROWS rows but the last, which is at least BLOCK_ROWS rows or all."""
-    step = max(BLOCK_ROWS, chunk // max(row_bytes, 1) // BLOCK_ROWS * BLOCK_ROWS)
-    edges = [*range(0, rows, step), rows]
-    if len(edges) > 2 and edges[-1] - edges[-2] < BLOCK_ROWS:
-        del edges[-2]
-    return list(pairwise(edges))
-
-
-def merge_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
-    """The row blocks every merge of a (rows, cols) tensor is computed in, by either engine."""
-    return row_blocks(rows, cols * 4, MERGE_CHUNK)
-
+from streamck.transforms.base import Target
+from streamck.transforms.lora import LoraMerge, copy_blocks, merge_blocks
 
 _threads_lock = threading.Lock()
 _threads_users = 0
@@ -89,23 +70,34 @@ def _whole(reader: Reader, ref: TensorRef):
     return torch.frombuffer(buf, dtype=_torch_dtype(ref.dtype)).float().reshape(ref.shape) if buf else torch.empty(0)
 
 
-def merged_pieces(t: OutputTensor, reader: Reader, space: dict | None = None) -> Iterator[memoryview]:
+@dataclass(frozen=True, slots=True)
+class TorchMerge(LoraMerge):
+    """A LoRA merge computed with torch on the CPU: PEFT's bits."""
+
+    engine = "torch"
+    exact = True
+
+    def pieces(self, target: Target, reader: Reader, space: dict) -> Iterator[memoryview]:
+        return merged_pieces(self, target, reader, space)
+
+
+def merged_pieces(m: LoraMerge, t: Target, reader: Reader, space: dict | None = None) -> Iterator[memoryview]:
     """``t``'s bytes, computed (see _merged), with torch on one thread. ``space`` keeps the
     buffers from one tensor to the next (a writer's own dict: one per thread)."""
     with one_thread():
-        yield from _merged(t, reader, {} if space is None else space)
+        yield from _merged(m, t, reader, {} if space is None else space)
 
 
-def _merged(t: OutputTensor, reader: Reader, space: dict) -> Iterator[memoryview]:
+def _merged(m: LoraMerge, t: Target, reader: Reader, space: dict) -> Iterator[memoryview]:
     """``t``'s bytes, computed: W and the LoRA delta summed in fp32 as PEFT sums them, rounded
     to W's dtype, then cast to ``t.dtype`` when that differs. Each view is valid until the next."""
-    m, w = t.merge, t.source
+    w = t.source
     if m.kind == "bias":
         total = _whole(reader, w) + _whole(reader, m.b) * m.scale
         yield from _emit(t, total.to(_torch_dtype(w.dtype)), m.safe)
         return
     if m.kind == "copy":
-        yield from _copied(t, reader)
+        yield from _copied(m, t, reader)
         return
     rows, cols = w.shape
     magnitude = _whole(reader, m.magnitude) if m.magnitude is not None else None
@@ -121,20 +113,11 @@ def _merged(t: OutputTensor, reader: Reader, space: dict) -> Iterator[memoryview
         yield from _emit(t, job.compute(slot, start, end), m.safe)
 
 
-def copy_blocks(ref: TensorRef) -> Iterator[tuple[int, int]]:
-    """(elements, bytes) of each block a saved copy is read in: merge_blocks over its first axis."""
-    rows = ref.shape[0] if ref.shape else 1
-    cols = ref.numel // rows if rows else 0
-    size = ref.nbytes // max(ref.numel, 1)
-    for start, end in merge_blocks(rows, cols):
-        yield (end - start) * cols, (end - start) * cols * size
-
-
-def _copied(t: OutputTensor, reader: Reader) -> Iterator[memoryview]:
+def _copied(m: LoraMerge, t: Target, reader: Reader) -> Iterator[memoryview]:
     """A saved copy rounded to W's dtype, then cast to ``t.dtype``, block by block."""
     import torch
 
-    copy, stream = t.merge.b, reader.stream(t.merge.b)
+    copy, stream = m.b, reader.stream(m.b)
     for _, nbytes in copy_blocks(copy):
         buf = bytearray(nbytes)
         if stream.readinto(memoryview(buf)) != nbytes:
@@ -190,7 +173,7 @@ class _Job:
         return slot.out[: n * cols].view(n, cols).copy_(block)
 
 
-def _emit(t: OutputTensor, out, safe: bool) -> Iterator[memoryview]:
+def _emit(t: Target, out, safe: bool) -> Iterator[memoryview]:
     """``out`` (the merge rounded to W's dtype) as bytes, cast to ``t.dtype`` when asked."""
     import torch
 

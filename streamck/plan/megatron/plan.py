@@ -2,7 +2,7 @@
 
 Megatron's training loop leaves ``<root>/latest_checkpointed_iteration.txt`` and
 ``iter_NNNNNNN/`` (native DCP; ``metadata.json`` says ``torch_dist``). Its model keys are
-stacked over layers (``megatron_layout``); each Hugging Face tensor is one layer's rows
+stacked over layers (``layout.py``); each Hugging Face tensor is one layer's rows
 of one of them (streamck.source.select): the fused ``linear_qkv`` split per query group
 into q, k and v (and RoPE pairs reordered when Megatron rotated interleaved pairs),
 ``linear_fc1`` into gate and up, the padded vocabulary trimmed. The sizes come from the
@@ -23,8 +23,8 @@ from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
 from streamck.plan.contract import compare_keys, load_config, only_casts
-from streamck.plan.megatron_args import read_args
-from streamck.plan.megatron_layout import (
+from streamck.plan.megatron.args import read_args
+from streamck.plan.megatron.layout import (
     HEAD,
     HF_DEFAULT,
     HF_MODELS,

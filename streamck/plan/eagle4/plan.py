@@ -1,7 +1,7 @@
 """``--plan eagle4``: a trained EAGLE-4 draft in the ``LlamaForCausalLMEagle4`` serving layout.
 
 The contract is ``docs/eagle4.md``; its tables are data in
-``eagle4_layout.py``, and the checks here are written against them.
+``layout.py``, and the checks here are written against them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
 from streamck.plan.contract import check_shape, compare_keys, evaluate, find_checkpoint_dir, load_config, only_casts
-from streamck.plan.eagle4_layout import (
+from streamck.plan.eagle4.layout import (
     AUX_LAYERS,
     BIASES,
     COPIED_CONFIG,

@@ -1,6 +1,6 @@
 """Casting tensor bytes chunk by chunk into reused buffers, on the CPU (CUDA: cudacast).
 
-The arithmetic is numpy's (streamck.writer.npcast), made to give exactly the bits of
+The arithmetic is numpy's (streamck.transforms.npcast), made to give exactly the bits of
 torch's CPU ``Tensor.to(dtype)``; torch is not imported here (only ``torch_dtype``,
 for the CUDA caster and ``--verify``, needs it). A reader thread fills the next input
 buffer while the current one is converted and written.
@@ -16,8 +16,8 @@ import numpy as np
 from streamck.dtypes import BITS, CASTABLE, TORCH_NAMES
 from streamck.fileio import write_all
 from streamck.source.reader import CHUNK, TensorStream
-from streamck.writer.npcast import Converter
-from streamck.writer.npcast import can_overflow as can_overflow
+from streamck.transforms.npcast import Converter
+from streamck.transforms.npcast import can_overflow as can_overflow
 
 # Source bytes per cast step of the CUDA caster (the reader's buffer size). The CPU caster
 # caps its own steps at CPU_STEP: it holds two inputs and an output, and 4 MiB steps

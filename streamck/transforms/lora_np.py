@@ -1,4 +1,4 @@
-"""A LoRA merge without torch: the same blocks and operations as streamck.writer.merge, in numpy.
+"""A LoRA merge without torch: the same blocks and operations as streamck.transforms.lora_torch, in numpy.
 
 Not PEFT's bits: numpy's GEMM (OpenBLAS) sums the r products in another order than torch's
 for many shapes, and numpy's norm (DoRA) sums a row in another order; the fp32 results
@@ -12,22 +12,27 @@ import, so a few tens of MiB of memory and no second of start-up.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from streamck.errors import OutputError
-from streamck.plan import OutputTensor
-from streamck.source import TensorRef
+from streamck.source.header import TensorRef
 from streamck.source.reader import Reader
-from streamck.writer.merge import copy_blocks, merge_blocks, merged_pieces
-from streamck.writer.npcast import NP_DTYPES, Converter
+from streamck.transforms.base import Target
+from streamck.transforms.lora import LoraMerge, copy_blocks, merge_blocks
+from streamck.transforms.npcast import NP_DTYPES, Converter
 
 
-def computed_pieces(t: OutputTensor, reader: Reader, space: dict | None = None) -> Iterator[memoryview]:
-    """A computed tensor's bytes, by the engine its merge names (torch unless said)."""
-    if t.merge.engine == "numpy":
-        return _merged(t, reader, Converter())
-    return merged_pieces(t, reader, space)
+@dataclass(frozen=True, slots=True)
+class NumpyMerge(LoraMerge):
+    """A LoRA merge computed with numpy: no torch, not PEFT's bits (see above)."""
+
+    engine = "numpy"
+    exact = False
+
+    def pieces(self, target: Target, reader: Reader, space: dict) -> Iterator[memoryview]:
+        return _merged(self, target, reader, Converter())
 
 
 def _f32(conv: Converter, data: np.ndarray, dtype: str) -> np.ndarray:
@@ -51,16 +56,16 @@ def _rounded(conv: Converter, x: np.ndarray, dtype: str) -> np.ndarray:
     return _f32(conv, out, dtype).reshape(x.shape)
 
 
-def _merged(t: OutputTensor, reader: Reader, conv: Converter) -> Iterator[memoryview]:
-    """As streamck.writer.merge's, in buffers made once per tensor."""
-    m, w = t.merge, t.source
+def _merged(m: LoraMerge, t: Target, reader: Reader, conv: Converter) -> Iterator[memoryview]:
+    """As streamck.transforms.lora_torch's, in buffers made once per tensor."""
+    w = t.source
     scale = np.float32(m.scale)
     if m.kind == "bias":
         total = _whole(reader, conv, w) + _whole(reader, conv, m.b) * scale
-        yield from _emit(t, conv, total.reshape(-1), np.empty(w.nbytes, np.uint8))
+        yield from _emit(m, t, conv, total.reshape(-1), np.empty(w.nbytes, np.uint8))
         return
     if m.kind == "copy":
-        yield from _copied(t, reader, conv)
+        yield from _copied(m, t, reader, conv)
         return
     rows, cols = w.shape
     a, b = _whole(reader, conv, m.a), _whole(reader, conv, m.b)
@@ -86,17 +91,18 @@ def _merged(t: OutputTensor, reader: Reader, conv: Converter) -> Iterator[memory
         np.add(block, _rounded(conv, d, w.dtype) if m.round_delta else d, out=block)
         if magnitude is not None:  # DoRA: each row to magnitude / its norm
             block *= (magnitude[start:end] / np.linalg.norm(block, axis=1))[:, None]
-        yield from _emit(t, conv, total[: n * cols], out[: n * cols * size])
+        yield from _emit(m, t, conv, total[: n * cols], out[: n * cols * size])
 
 
-def _copied(t: OutputTensor, reader: Reader, conv: Converter) -> Iterator[memoryview]:
-    """As streamck.writer.merge's: a saved copy rounded to W's dtype, then cast, block by block."""
-    copy, stream = t.merge.b, reader.stream(t.merge.b)
+def _copied(m: LoraMerge, t: Target, reader: Reader, conv: Converter) -> Iterator[memoryview]:
+    """As streamck.transforms.lora_torch's: a saved copy rounded to W's dtype, then cast, block by block."""
+    copy, stream = m.b, reader.stream(m.b)
     for count, nbytes in copy_blocks(copy):
         raw = np.empty(nbytes, np.uint8)
         if stream.readinto(memoryview(raw)) != nbytes:
             raise OutputError(f"{copy.name} ended early", copy.path)
         yield from _emit(
+            m,
             t,
             conv,
             _f32(conv, raw, copy.dtype),
@@ -104,12 +110,12 @@ def _copied(t: OutputTensor, reader: Reader, conv: Converter) -> Iterator[memory
         )
 
 
-def _emit(t: OutputTensor, conv: Converter, total: np.ndarray, out: np.ndarray) -> Iterator[memoryview]:
+def _emit(m: LoraMerge, t: Target, conv: Converter, total: np.ndarray, out: np.ndarray) -> Iterator[memoryview]:
     """``total`` (flat fp32, overwritten) rounded into ``out`` in W's dtype, then cast to
     ``t.dtype`` when asked, as bytes. safe_merge refuses a value that is not finite in W's dtype."""
-    finite = not t.merge.safe or np.isfinite(total).all()
+    finite = not m.safe or np.isfinite(total).all()
     became_inf = conv.convert("F32", t.source.dtype, total.view(np.uint8), out)
-    if not finite or (t.merge.safe and became_inf):
+    if not finite or (m.safe and became_inf):
         raise OutputError(f"NaNs or infinities in the merged {t.name}: the adapter seems broken (safe_merge)")
     if t.dtype != t.source.dtype:
         cast = np.empty(total.size * np.dtype(NP_DTYPES[t.dtype]).itemsize, np.uint8)

@@ -2,7 +2,7 @@
 ``merge_and_unload`` merges it (peft/tuners/lora/layer.py, variants.py, dora.py).
 
 The plan only says what each output tensor is: a base tensor with a ``LoraMerge`` attached
-(computed block by block by streamck.writer.merge), a ``modules_to_save`` copy from the
+(computed block by block by streamck.transforms.lora), a ``modules_to_save`` copy from the
 adapter in place of the base tensor, or the base tensor unchanged. Everything the merge
 refuses is refused here, before a byte is written.
 
@@ -22,20 +22,25 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from streamck.dtypes import CASTABLE
 from streamck.errors import PlanError, listing
 from streamck.plan.compile import OutputTensor, Plan
-from streamck.plan.lora_config import LoraConfig, read_config, weights_file
+from streamck.plan.lora.config import LoraConfig, read_config, weights_file
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
+from streamck.transforms.lora import LoraMerge
+from streamck.transforms.lora_np import NumpyMerge
+from streamck.transforms.lora_torch import TorchMerge
 
 PREFIX = "base_model.model."
 ENGINES = {
     "torch": "torch fp32 on the CPU, PEFT's bits",
     "numpy": "numpy fp32: not bit for bit, a few values may differ from PEFT's in their last bits",
 }
+# The transform that computes a merge, by engine.
+MERGES: dict[str, type[LoraMerge]] = {"torch": TorchMerge, "numpy": NumpyMerge}
 _PART = re.compile(
     r"(?P<module>.+?)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|base_layer)"
     r"(?:\.(?!weight$|bias$)(?P<adapter>[^.]+))?(?:\.(?P<param>weight|bias))?"
@@ -50,30 +55,6 @@ HEAD = "lm_head.weight"
 EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "model.embed_in.weight", "embed_tokens.weight")
 
 
-@dataclass(frozen=True, slots=True)
-class LoraMerge:
-    """How an output tensor is computed from its source W (PEFT's order, fp32 throughout):
-
-    - ``linear``: W + B[rows] @ A * scale (or ``(B @ A[:, rows])^T * scale`` when ``transposed``:
-      an embedding, or ``fan_in_fan_out``), rounded once to W's dtype; with ``round_delta``
-      (embeddings, safe_merge) the delta is rounded to W's dtype before the add;
-      with ``magnitude`` (DoRA) the sum S is scaled per row by magnitude / ‖S‖₂;
-    - ``bias``: W + b * scale, ``b`` being lora_B's bias (``a`` is None);
-    - ``copy``: ``b`` (a saved copy) rounded to W's dtype, as PEFT loads it into the base's
-      module, then cast to the output dtype (only where both roundings change it).
-    """
-
-    kind: str
-    b: TensorRef
-    a: TensorRef | None = None
-    scale: float = 1.0
-    transposed: bool = False
-    round_delta: bool = False
-    magnitude: TensorRef | None = None
-    safe: bool = False
-    engine: str = "torch"
-
-
 def merge_lora(
     plan: Plan, adapter: str | Path, *, safe_merge: bool = False, any_base: bool = False, engine: str = "torch"
 ) -> Plan:
@@ -81,7 +62,7 @@ def merge_lora(
     adapter_model.safetensors) merged in. ``safe_merge`` is PEFT's: the delta rounded to the
     base dtype before the add, and a non-finite result an error. ``any_base`` skips the check
     that the adapter's ``base_model_name_or_path`` names this base. ``engine="numpy"`` computes
-    without torch, not bit for bit (streamck.writer.merge_np).
+    without torch, not bit for bit (streamck.transforms.lora_np).
     Raises PlanError."""
     adapter = Path(adapter)
     config = read_config(adapter)
@@ -115,8 +96,7 @@ def merge_lora(
             raise PlanError(f"the adapter changes {name} twice (a LoRA and a saved copy of it)", source.path)
         merged[name] = ref
     untie = bool(tied) and any(name in (HEAD, tied) for name in copies)
-    if engine != "torch":
-        merged = {k: v if isinstance(v, TensorRef) else (v[0], replace(v[1], engine=engine)) for k, v in merged.items()}
+    merged = {k: v if isinstance(v, TensorRef) else (v[0], _on(engine, v[1])) for k, v in merged.items()}
     for name, new in merged.items():
         i = by_source.get(name)
         if i is not None:  # else the rules dropped it
@@ -283,7 +263,7 @@ def _copy(name: str, base: TensorRef, ref: TensorRef, dtype: str, engine: str) -
     first, and --dtype/--cast apply to that; a plain cast when one rounding is all it takes."""
     if ref.dtype == base.dtype or dtype == base.dtype:
         return OutputTensor(name, ref, dtype)
-    return OutputTensor(name, base, dtype, LoraMerge("copy", ref, engine=engine))
+    return OutputTensor(name, base, dtype, MERGES[engine]("copy", ref))
 
 
 def _tied(base: Checkpoint, config: dict) -> str | None:
@@ -344,3 +324,8 @@ def _summary(adapter: Path, config: LoraConfig, modules: dict, copies: dict, unt
     if untie:
         lines.append("lm_head and the input embeddings untied (tie_word_embeddings: false), as PEFT writes it")
     return lines
+
+
+def _on(engine: str, merge: LoraMerge) -> LoraMerge:
+    """``merge`` computed by ``engine``."""
+    return MERGES[engine](*(getattr(merge, f.name) for f in fields(merge)))

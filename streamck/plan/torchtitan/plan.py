@@ -3,7 +3,7 @@
 A torchtitan step (``checkpoint/step-N/``: native DCP, model keys at the top level beside
 ``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state``) becomes what
 torchtitan's ``convert_to_hf.py`` writes, in one streaming pass: renamed per
-``torchtitan_layout``, the query and key rows of Llama 3 reordered from torchtitan's
+``layout.py``, the query and key rows of Llama 3 reordered from torchtitan's
 interleaved RoPE pairs to Hugging Face's rotate-half halves (Qwen3 needs none), the
 output head left out when the config ties it. The sizes come from the model's
 Hugging Face config (``--hf-config``, or ``config.json`` beside the step), which is
@@ -20,7 +20,7 @@ from streamck.plan import hf_export
 from streamck.plan.compile import Plan
 from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.rules import Rules
-from streamck.plan.torchtitan_layout import FAMILIES, HEAD, LAYER, QK_NORM, TOP, TRAINING_STATE, VERSIONS
+from streamck.plan.torchtitan.layout import FAMILIES, HEAD, LAYER, QK_NORM, TOP, TRAINING_STATE, VERSIONS
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
 from streamck.source.layout import DCP_METADATA
 from streamck.source.select import Rows, select
