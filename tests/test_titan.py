@@ -135,7 +135,7 @@ REFUSED = [
     ("llama3", {"hidden_size": 32, "head_dim": 8}, "tok_embeddings.weight has shape [256, 64], expected [256, 32]"),
     ("llama3", {"num_hidden_layers": 3}, "9 missing: layers.2.attention.qkv_linear.wk.weight"),
     ("llama3", {"num_key_value_heads": 4}, "wk.weight has shape [32, 64], expected [64, 64]"),
-    ("llama3", {"model_type": "mistral"}, "model_type 'mistral': --plan torchtitan-llama3 converts llama, qwen3"),
+    ("llama3", {"model_type": "mistral"}, "model_type 'mistral': --plan torchtitan converts llama, qwen3"),
     ("llama3", {"tie_word_embeddings": True}, "lm_head.weight is not tok_embeddings.weight in this checkpoint"),
     ("llama3", {"intermediate_size": "96"}, "intermediate_size must be a positive integer, not '96'"),
     ("qwen3", {"model_type": "llama"}, "has q_norm/k_norm weights, but the config's model_type is 'llama'"),
