@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
     rules.add_argument(
         "--plan",
-        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan (alias torchtitan-llama3), megatron-gpt) or a TOML "
-        "plan file (its rules come first)",
+        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan (alias torchtitan-llama3), "
+        "megatron-gpt) or a TOML plan file (its rules come first)",
     )
     rules.add_argument(
         "--hf-config",
