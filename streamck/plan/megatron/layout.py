@@ -11,18 +11,42 @@ one key and one value head), ``mlp.py`` (``linear_fc1`` is [gate; up] under swig
 """
 
 LAYER = (
-    ("model.layers.{i}.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-     None, ("L", "H")),
-    ("model.layers.{i}.self_attn.q_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "q",
-     ("L", "QKV", "H")),
-    ("model.layers.{i}.self_attn.k_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "k",
-     ("L", "QKV", "H")),
-    ("model.layers.{i}.self_attn.v_proj.weight", "decoder.layers.self_attention.linear_qkv.weight", "v",
-     ("L", "QKV", "H")),
-    ("model.layers.{i}.self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight", None,
-     ("L", "H", "nh*d")),
-    ("model.layers.{i}.post_attention_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight",
-     None, ("L", "H")),
+    (
+        "model.layers.{i}.input_layernorm.weight",
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        None,
+        ("L", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "q",
+        ("L", "QKV", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "k",
+        ("L", "QKV", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "v",
+        ("L", "QKV", "H"),
+    ),
+    (
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "decoder.layers.self_attention.linear_proj.weight",
+        None,
+        ("L", "H", "nh*d"),
+    ),
+    (
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+        None,
+        ("L", "H"),
+    ),
     ("model.layers.{i}.mlp.gate_proj.weight", "decoder.layers.mlp.linear_fc1.weight", "gate", ("L", "2*I", "H")),
     ("model.layers.{i}.mlp.up_proj.weight", "decoder.layers.mlp.linear_fc1.weight", "up", ("L", "2*I", "H")),
     ("model.layers.{i}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", None, ("L", "H", "I")),
@@ -35,10 +59,18 @@ QKV_BIAS = (
 )
 # --qk-layernorm (Qwen3's q_norm / k_norm).
 QK_NORM = (
-    ("model.layers.{i}.self_attn.q_norm.weight", "decoder.layers.self_attention.q_layernorm.weight", "norm",
-     ("L", "d")),
-    ("model.layers.{i}.self_attn.k_norm.weight", "decoder.layers.self_attention.k_layernorm.weight", "norm",
-     ("L", "d")),
+    (
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "decoder.layers.self_attention.q_layernorm.weight",
+        "norm",
+        ("L", "d"),
+    ),
+    (
+        "model.layers.{i}.self_attn.k_norm.weight",
+        "decoder.layers.self_attention.k_layernorm.weight",
+        "norm",
+        ("L", "d"),
+    ),
 )
 TOP = (
     ("model.embed_tokens.weight", "embedding.word_embeddings.weight", "vocab", ("Vp", "H")),
@@ -50,7 +82,7 @@ TRAINING_STATE = ("optimizer.", "rng_state", "common_state")
 # Megatron's args that change the layout and are refused (streamck writes no HF model for them).
 REFUSED_ARGS = {
     "attention_output_gate": "a gated attention output (its gate rows inside linear_qkv)",
-    "num_experts": "mixture-of-experts layers",
+    "moe_shared_expert_intermediate_size": "shared experts",
     "multi_latent_attention": "multi-latent attention",
     "add_bias_linear": "biases on every linear layer",
 }
@@ -58,3 +90,11 @@ REFUSED_ARGS = {
 HF_MODELS = {"qk_layernorm": ("Qwen3ForCausalLM", "qwen3"), "add_qkv_bias": ("Qwen2ForCausalLM", "qwen2")}
 HF_DEFAULT = ("LlamaForCausalLM", "llama")
 TRACKER = "latest_checkpointed_iteration.txt"
+# MoE layers (megatron-core 0.19.2 ``moe/experts.py`` SequentialMLP / TEGroupedMLP ``sharded_state_dict``:
+# the experts stacked over layers and experts, one key each, whatever the expert parallelism; the
+# grouped-GEMM layout writes the same keys). Shapes: E experts, Im their hidden size.
+MOE_ROUTER = ("decoder.layers.mlp.router.weight", ("L", "E", "H"))
+MOE_FC1 = ("decoder.layers.mlp.experts.experts.linear_fc1.weight", ("L", "E", "2*Im", "H"))  # [gate; up]
+MOE_FC2 = ("decoder.layers.mlp.experts.experts.linear_fc2.weight", ("L", "E", "H", "Im"))
+# The dense MLP rows an MoE layer has not (its pre-MLP norm keeps the dense key).
+DENSE_MLP = ("decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight")
