@@ -10,6 +10,7 @@
     python bench/run.py titan megatron       # torchtitan / Megatron checkpoints -> Hugging Face (156 MiB models)
     python bench/run.py lora --size 1GiB     # --merge-lora vs PEFT's merge_and_unload (needs peft)
     python bench/run.py moe                  # FSDP2 save of a Qwen3-MoE (fused experts) -> per-expert HF
+    python bench/run.py verl --size 1GiB     # verl FSDP actor -> bf16 safetensors vs verl's merger (its venv)
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
 medians and ratios against the baseline of the same run, and is written into
@@ -654,6 +655,40 @@ def case_moe(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_verl(a: argparse.Namespace, tmp: Path) -> str:
+    """verl 0.9.1 FSDP2 actor (2 ranks) -> safetensors bf16: verl's model_merger vs streamck vs cp -r."""
+    from verl_ckpt import VERL_PYTHON, make_verl
+
+    actor = make_verl(tmp / "big", parse_size(a.size))
+    data = sum(p.stat().st_size for p in actor.glob("model_world_size_*.pt"))
+    merger = f'"{VERL_PYTHON}" -m verl.model_merger merge --backend fsdp --local_dir "{actor}" --target_dir'
+    contenders = {
+        "cp -r + sync (actor/)": cp_fsync(actor),
+        # verl's merger torch.loads every rank file whole and always casts to bf16; fsync as the others do
+        "verl model_merger merge --backend fsdp": lambda o: ["sh", "-c", f'{merger} "{o}" >/dev/null && sync "{o}"/*'],
+        "streamck rewrite actor/ --dtype bf16": lambda o: streamck(
+            "rewrite", str(actor), "-o", str(o), "--dtype", "bf16", "-q"
+        ),
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle, (actor,))
+    # The figures count only if both wrote the same tensors, bit for bit.
+    for label, o in (
+        ("verl model_merger merge --backend fsdp", tmp / "m"),
+        ("streamck rewrite actor/ --dtype bf16", tmp / "s"),
+    ):
+        subprocess.run(contenders[label](o), check=True, capture_output=True)
+    subprocess.run(streamck("diff", str(tmp / "m"), str(tmp / "s"), "--data"), check=True, capture_output=True)
+    return (
+        f"Checkpoint: `global_step_1/actor/` as verl 0.9.1's `FSDPCheckpointManager` writes it (verl's FSDP2 engine, "
+        f"2 gloo ranks, one training step; bench/verl_ckpt.py), an untied Llama, F32, {data / 2**30:.2f} GiB in 2 "
+        "model rank files (optimizer files beside them, not read). Output: bf16 model.safetensors + config, the same "
+        f"tensors bit for bit from both tools (`streamck diff --data`). {a.reps} interleaved reps, {a.settle:.0f} s "
+        "settle.\n\n" + table(runs, "cp -r + sync (actor/)", data)
+    )
+
+
 def _mib2(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -824,7 +859,7 @@ DEFAULT_SIZE = {
     "titan": "156MiB",
     "megatron": "156MiB",
 }
-DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "lora": "1GiB"}
+DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "lora": "1GiB", "verl": "1GiB"}
 
 
 def main() -> None:

@@ -8,119 +8,81 @@ run from any thread; every failure is a ``StreamckError``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
+from streamck.check.diff import Side
 from streamck.errors import UsageError
-from streamck.plan import (
-    AUX_LAYER_PLANS,
-    BUILTIN_PLANS,
-    HF_CONFIG_PLANS,
-    VERIFIER_PLANS,
-    Plan,
-    Rule,
-    Rules,
-    compile_plan,
-    load_rules,
-)
+from streamck.plan import Plan, Rule, Rules
 from streamck.plan.rules import rules_from
-from streamck.source import Checkpoint, open_checkpoint
-from streamck.source.layout import pick_step
+from streamck.source import Checkpoint
+from streamck.source.checkpoint import resolve_step
+from streamck.spec import SourceSpec
 from streamck.writer import WriteResult, write_plan
 from streamck.writer.parts import parse_part
 
-Source = str | os.PathLike | Checkpoint
-
-
-def _checkpoint(
-    source: Source, step: str | int | None = None, key: str | None = None, zero: bool = False, keep_tied: bool = False
-) -> Checkpoint:
-    return source if isinstance(source, Checkpoint) else open_checkpoint(source, step, key, zero, keep_tied)
+Source = str | os.PathLike | Checkpoint | SourceSpec
 
 
 def build_plan(
     source: Source,
     *,
     rules: Iterable[Rule | Mapping[str, str]] = (),
-    plan: str | os.PathLike | None = None,
     dtype: str | None = None,
     casts: Mapping[str, str] | None = None,
-    step: str | int | None = None,
-    key: str | None = None,
-    zero: bool = False,
-    keep_tied: bool = False,
     copy_files: bool = True,
-    verifier: str | None = None,
-    aux_layer_ids: Sequence[int] | str | None = None,
-    hf_config: str | os.PathLike | None = None,
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
     experts: str = "auto",
+    **read: Any,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
-    sources and dtypes, and the side files. ``merge_lora`` names a PEFT LoRA adapter folder
-    to merge in as PEFT's merge_and_unload does (``safe_merge`` as there; ``merge_lora_any_base``
-    skips the check that it was trained on this base; ``merge_engine="numpy"`` merges without
-    torch, not bit for bit), see streamck.plan.lora. ``experts`` is how MoE experts come out:
-    ``"auto"`` as save_pretrained writes them (fused runtime tensors split per expert, the family
-    from config.json), ``"keep"`` as the source has them, ``"fuse"`` fused as transformers runs
-    them (see streamck.plan.moe).
+    sources and dtypes, and the side files. ``source`` is a path, a Checkpoint or a
+    SourceSpec; ``read`` are SourceSpec's fields (``step``, ``key``, ``zero``, ``keep_tied``,
+    ``plan``, ``hf_config``, ``verifier``, ``aux_layer_ids``) over what it says.
+    ``merge_lora`` names a PEFT LoRA adapter folder to merge in as PEFT's merge_and_unload
+    does (``safe_merge`` as there; ``merge_lora_any_base`` skips the check that it was trained
+    on this base; ``merge_engine="numpy"`` merges without torch, not bit for bit), see
+    streamck.plan.lora. ``experts`` is how MoE experts come out without a built-in plan:
+    ``"auto"`` as save_pretrained writes them (fused runtime tensors split per expert, the
+    family from config.json), ``"keep"`` as the source has them, ``"fuse"`` fused as
+    transformers runs them (see streamck.plan.moe).
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
     ['embed_tokens.weight', 'layers.0.mlp.up_proj.weight']
     """
-    if merge_lora is not None and plan is not None and os.fspath(plan) in BUILTIN_PLANS:
-        raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {plan}")
+    spec = SourceSpec.of(source, **read)
+    if merge_lora is not None and spec.builtin is not None:
+        raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {spec.builtin}")
     lora_flags = {"--safe-merge": safe_merge, "--merge-engine": merge_engine}
     lora_flags["--merge-lora-any-base"] = merge_lora_any_base
     stray = [flag for flag, value in lora_flags.items() if value not in (None, False)]
     if merge_lora is None and stray:
         raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
-    given = Rules(rules_from(rules) + extra, dtype)
-    if plan is not None and os.fspath(plan) in BUILTIN_PLANS:
-        if isinstance(source, Checkpoint):
-            raise UsageError(f"plan {plan!r} opens its own source: pass a path, not a Checkpoint")
-        if key is not None or zero or keep_tied:
-            raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {plan}, which opens its own source")
-        path = pick_step(Path(source), step) if step is not None else source
-        extra = {"verifier": verifier} if verifier is not None else {}
-        if extra and os.fspath(plan) not in VERIFIER_PLANS:
-            raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only, not {plan}")
-        if aux_layer_ids is not None:
-            if os.fspath(plan) not in AUX_LAYER_PLANS:
-                raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
-            extra["aux_layer_ids"] = aux_layer_ids
-        if hf_config is not None:
-            if os.fspath(plan) not in HF_CONFIG_PLANS:
-                raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
-            extra["hf_config"] = hf_config
-        return BUILTIN_PLANS[os.fspath(plan)](path, given, **extra)
-    if verifier is not None:
-        raise UsageError(f"--verifier applies to --plan {', '.join(sorted(VERIFIER_PLANS))} only")
-    if aux_layer_ids is not None:
-        raise UsageError(f"--aux-layer-ids applies to --plan {', '.join(sorted(AUX_LAYER_PLANS))} only")
-    if hf_config is not None:
-        raise UsageError(f"--hf-config applies to --plan {', '.join(sorted(HF_CONFIG_PLANS))} only")
-    base = load_rules(plan) if plan is not None else Rules()
-    compiled = compile_plan(_checkpoint(source, step, key, zero, keep_tied), base + given, copy_files=copy_files)
-    compiled = _experts(compiled, experts)
+    compiled = spec.compile(Rules(rules_from(rules) + extra, dtype), copy_files=copy_files)
+    compiled = _experts(compiled, experts, spec.builtin)
     if merge_lora is None:
         return compiled
     return _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
 
 
-def _experts(plan: Plan, mode: str) -> Plan:
+def _experts(plan: Plan, mode: str, builtin: str | None) -> Plan:
+    """``plan`` with its MoE experts as ``mode`` asks; a built-in plan writes its own layout."""
     from streamck.plan.moe import MODES, apply_experts
 
     if mode not in MODES:
         raise UsageError(f"experts={mode!r}: one of {', '.join(MODES)}")
+    if builtin is not None:
+        if mode != "auto":
+            raise UsageError(f"--keep-fused and --fuse-experts do not apply to --plan {builtin}")
+        return plan
     return apply_experts(plan, mode)
 
 
@@ -151,13 +113,8 @@ def rewrite(
     output: str | os.PathLike,
     *,
     rules: Iterable[Rule | Mapping[str, str]] = (),
-    plan: str | os.PathLike | None = None,
     dtype: str | None = None,
     casts: Mapping[str, str] | None = None,
-    step: str | int | None = None,
-    key: str | None = None,
-    zero: bool = False,
-    keep_tied: bool = False,
     copy_files: bool = True,
     max_shard_size: int | str | None = None,
     format: str | None = None,
@@ -169,35 +126,30 @@ def rewrite(
     verify: bool = False,
     device: str | None = None,
     drop_cache: bool = False,
-    verifier: str | None = None,
-    aux_layer_ids: Sequence[int] | str | None = None,
-    hf_config: str | os.PathLike | None = None,
     merge_lora: str | os.PathLike | None = None,
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
     experts: str = "auto",
+    **read: Any,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
-    ``rules`` take the plan file's shape (``{"strip_prefix": "model."}``, applied in
-    order) or Rule objects; ``plan`` is a built-in plan name (``"eagle4"``) or a TOML
-    plan file whose rules run first; ``dtype`` casts every float tensor and ``casts``
-    maps globs to dtypes (winning over ``dtype``); ``max_shard_size`` is bytes or a
-    size like ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/
-    ``.pth`` output name does too); ``key``/``zero``/``keep_tied`` choose what a torch
-    pickle, a DCP checkpoint (``key="model"``: the weights of a model + optimizer save)
-    or a DeepSpeed checkpoint is read as (see open_checkpoint); ``verifier`` is the
-    target model named in ``plan="eagle3-speculators"``'s config; ``aux_layer_ids``
-    (``[1, 15, 28]`` or ``"1,15,28"``, Automodel's convention) overrides the target layers
-    an ``eagle3`` plan's step records; ``hf_config`` is the Hugging Face config.json giving
-    a trainer plan's model sizes (``plan="torchtitan-llama3"``, ``"megatron-gpt"``); ``experts``
-    is how MoE experts are written (``"auto"``, ``"keep"``, ``"fuse"``: see build_plan); ``jobs``
-    writes that many shards at once; ``part="K/N"`` writes only part K of N of the shards
-    (see streamck.writer.parts); ``keep_shards`` writes one file per source file, tensors in
-    the source's order, so that where the filesystem can share blocks (XFS reflink, btrfs) a
-    rename shares them all (``result.shared`` bytes; see streamck.writer.clone).
-    Memory stays near one chunk (per job).
+    ``source`` and ``read`` say what is read, as build_plan takes them (a SourceSpec's fields:
+    ``plan`` is a built-in plan name such as ``"eagle4"`` or a TOML plan file whose rules run
+    first; ``step``, ``key``, ``zero``, ``keep_tied`` choose what a run root, a torch pickle, a
+    DCP checkpoint (``key="model"``: the weights of a model + optimizer save) or a DeepSpeed
+    checkpoint is read as; ``hf_config``, ``verifier``, ``aux_layer_ids`` are the built-in
+    plans' options). ``rules`` take the plan file's shape (``{"strip_prefix": "model."}``,
+    applied in order) or Rule objects; ``dtype`` casts every float tensor and ``casts`` maps
+    globs to dtypes (winning over ``dtype``); the LoRA options and ``experts`` (MoE: ``"auto"``,
+    ``"keep"``, ``"fuse"``) are build_plan's. ``max_shard_size`` is bytes or a size like
+    ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/``.pth`` output
+    name does too); ``jobs`` writes that many shards at once; ``part="K/N"`` writes only part K
+    of N of the shards (see streamck.writer.parts); ``keep_shards`` writes one file per source
+    file, tensors in the source's order, so that where the filesystem can share blocks (XFS
+    reflink, btrfs) a rename shares them all (``result.shared`` bytes; see
+    streamck.writer.clone). Memory stays near one chunk (per job).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -212,22 +164,15 @@ def rewrite(
     compiled = build_plan(
         source,
         rules=rules,
-        plan=plan,
         dtype=dtype,
         casts=casts,
-        step=step,
-        key=key,
-        zero=zero,
-        keep_tied=keep_tied,
         copy_files=copy_files,
-        verifier=verifier,
-        aux_layer_ids=aux_layer_ids,
-        hf_config=hf_config,
         merge_lora=merge_lora,
         safe_merge=safe_merge,
         merge_lora_any_base=merge_lora_any_base,
         merge_engine=merge_engine,
         experts=experts,
+        **read,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(
@@ -246,16 +191,22 @@ def rewrite(
     )
 
 
-def ls(
-    source: Source,
-    *,
-    step: str | int | None = None,
-    key: str | None = None,
-    zero: bool = False,
-    keep_tied: bool = False,
-) -> dict[str, Any]:
+def manifest_of(spec: SourceSpec) -> tuple[dict[str, Any], Checkpoint | None, Plan | None]:
+    """What ``spec`` reads as a manifest: its checkpoint's, or with a plan what the plan
+    would write; and the checkpoint or the plan it came from."""
+    from streamck.manifest import checkpoint_manifest, plan_manifest
+
+    if spec.plan is None:
+        ckpt = spec.open()
+        return checkpoint_manifest(ckpt), ckpt, None
+    plan = spec.compile()
+    return plan_manifest(plan), None, plan
+
+
+def ls(source: Source, **read: Any) -> dict[str, Any]:
     """The manifest of ``source`` (``streamck ls --json``): every tensor's dtype and shape,
-    the metadata and the total size, from headers alone.
+    the metadata and the total size, from headers alone. ``read`` are SourceSpec's fields;
+    with a ``plan``, the manifest of what the plan would write.
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -263,25 +214,24 @@ def ls(
     >>> streamck.ls(f"{d}/m.safetensors")["total_size"]
     4
     """
-    from streamck.manifest import checkpoint_manifest
-
-    return checkpoint_manifest(_checkpoint(source, step, key, zero, keep_tied))
+    return manifest_of(SourceSpec.of(source, **read))[0]
 
 
 def diff(
-    a: str | os.PathLike,
-    b: str | os.PathLike,
+    a: Source,
+    b: Source,
     *,
     ignore: Iterable[str] = (),
     data: bool = False,
-    key: str | None = None,
     zero: bool | tuple[bool, bool] = False,
-    keep_tied: bool = False,
+    **read: Any,
 ) -> DiffResult:
     """Compare two checkpoints or manifests (``streamck diff``); ``bool(result)`` is True
-    when they differ and ``str(result)`` is the report. ``key`` and ``keep_tied`` apply to
-    both sides, as open_checkpoint takes them; ``zero`` too, or per side as ``(a, b)``
-    (a ZeRO step against the model exported from it).
+    when they differ and ``str(result)`` is the report. ``read`` (SourceSpec's fields: ``key``,
+    ``keep_tied``, ``step``, ``plan`` …) applies to both sides, or give each side as a
+    SourceSpec; ``zero`` applies to both, or per side as ``(a, b)`` (a ZeRO step against the
+    model exported from it). A side read through a plan is what the plan would write: names,
+    dtypes and shapes (``data`` compares checkpoints only).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -292,24 +242,31 @@ def diff(
     >>> [x.differing for x in streamck.diff(f"{d}/a.safetensors", f"{d}/b.safetensors", data=True).data]
     [2]
     """
-    from streamck.check.diff import load_side
-
     zero_a, zero_b = zero if isinstance(zero, tuple) else (zero, zero)
-    sa = load_side(a, key=key, zero=zero_a, keep_tied=keep_tied)
-    sb = load_side(b, key=key, zero=zero_b, keep_tied=keep_tied)
-    return _diff(sa, sb, ignore=tuple(ignore), data=data)
+    sides = [load_side(SourceSpec.of(x, zero=z, **read)) for x, z in ((a, zero_a), (b, zero_b))]
+    return _diff(*sides, ignore=tuple(ignore), data=data)
 
 
-def hash(
-    source: Source,
-    *,
-    step: str | int | None = None,
-    key: str | None = None,
-    zero: bool = False,
-    keep_tied: bool = False,
-) -> dict[str, Any]:
+def load_side(spec: SourceSpec) -> Side:
+    """One side of a diff: a manifest JSON file, a checkpoint, or what a plan would write."""
+    from streamck.check.diff import load_side as load_checkpoint_side
+
+    if spec.plan is None:
+        if isinstance(spec.path, Checkpoint):
+            from streamck.manifest import checkpoint_manifest
+
+            return Side(str(spec.path.path), checkpoint_manifest(spec.path), spec.path)
+        if spec.step is not None:
+            spec = SourceSpec.of(resolve_step(Path(spec.path), spec.step)[0], step=None)
+        return load_checkpoint_side(spec.path, key=spec.key, zero=spec.zero, keep_tied=spec.keep_tied)
+    manifest = manifest_of(spec)[0]
+    return Side(f"{spec.path} (--plan {os.fspath(spec.plan)})", manifest)
+
+
+def hash(source: Source, **read: Any) -> dict[str, Any]:
     """The manifest of ``source`` with the sha256 of every tensor's bytes (``streamck hash
-    --json``), read in bounded pieces.
+    --json``), read in bounded pieces. ``read`` are SourceSpec's fields; with a ``plan``, the
+    digests of the bytes the plan would write (computed as a rewrite computes them).
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -319,7 +276,12 @@ def hash(
     """
     from streamck.check.digest import hash_manifest
 
-    return hash_manifest(_checkpoint(source, step, key, zero, keep_tied))
+    spec = SourceSpec.of(source, **read)
+    if spec.plan is None:
+        return hash_manifest(spec.open())
+    from streamck.writer import plan_digests
+
+    return plan_digests(spec.compile())
 
 
 def export_eagle4_draft(

@@ -14,31 +14,16 @@ from typing import TYPE_CHECKING
 
 from streamck import manifest
 from streamck.cli_args import build_parser
+from streamck.cli_show import print_checkpoint, print_plan
 from streamck.errors import Info, StreamckError, UsageError
-from streamck.source import open_checkpoint
+from streamck.source.producers import plan_hint
+from streamck.units import human
 
 if TYPE_CHECKING:
     from streamck.check.diff import Side
+    from streamck.plan import Plan
     from streamck.source import Checkpoint
-
-
-def human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    raise AssertionError
-
-
-def shape_str(shape) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"
-
-
-def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+    from streamck.spec import SourceSpec
 
 
 def _note(ckpt: Checkpoint, quiet: bool = False) -> Checkpoint:
@@ -50,40 +35,50 @@ def _note(ckpt: Checkpoint, quiet: bool = False) -> Checkpoint:
     return ckpt
 
 
-def _open(args: argparse.Namespace, src: str | os.PathLike | None = None) -> Checkpoint:
-    """The command's source, opened with its --step, --key, --zero and --keep-tied."""
-    path = args.src if src is None else src
-    return _note(open_checkpoint(path, getattr(args, "step", None), args.key, args.zero, args.keep_tied))
+def _spec(args: argparse.Namespace, path: str | None = None, zero: bool | None = None) -> SourceSpec:
+    """The command's source and how to read it (its source options), as the library takes it."""
+    from streamck.spec import SourceSpec
+
+    return SourceSpec(
+        args.src if path is None else path,
+        step=args.step,
+        key=args.key,
+        zero=args.zero if zero is None else zero,
+        keep_tied=args.keep_tied,
+        plan=args.plan,
+        hf_config=args.hf_config,
+        verifier=args.verifier,
+        aux_layer_ids=args.aux_layer_ids,
+    )
 
 
-def _files(t, root: Path) -> str:
-    if not t.paths:  # a tensor of no elements read as tiles lies in no file
-        return "-"
-    first = os.path.relpath(t.path, root)
-    return first if len(t.paths) == 1 else f"{first} (+{len(t.paths) - 1} more)"
+def _notes(plan: Plan, quiet: bool = False) -> Plan:
+    """Print a plan's notices and its source's (see _note)."""
+    if plan.source is not None:
+        _note(plan.source, quiet)
+    for line in plan.notices:
+        if not (quiet and isinstance(line, Info)):
+            print(f"streamck: note: {line}", file=sys.stderr)
+    return plan
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    ckpt = _open(args)
+    spec = _spec(args)
+    if spec.plan is not None:  # what the plan would write
+        plan = _notes(spec.compile(), args.quiet)
+        if args.json:
+            sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
+        else:
+            print_plan(plan)
+        return 0
+    ckpt = _note(spec.open(), args.quiet)
+    hint = plan_hint(ckpt.tensors)
     if args.json:
         sys.stdout.write(manifest.dumps(manifest.checkpoint_manifest(ckpt)))
+        if hint:
+            print(f"streamck: note: {hint}", file=sys.stderr)
         return 0
-    rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
-    rows += [
-        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), _files(t, ckpt.root))
-        for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
-    ]
-    table(rows)
-    from streamck.plan.moe.blocks import layout_line
-
-    moe = layout_line({t.name: t.shape for t in ckpt.tensors.values()})
-    if moe:
-        print(moe)
-    print(
-        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) "
-        f"{'under ' + str(ckpt.root) if ckpt.path.is_dir() else 'in ' + str(ckpt.path)}, {human(ckpt.total_size)} "
-        f"({ckpt.total_size} bytes)"
-    )
+    print_checkpoint(ckpt, hint)
     return 0
 
 
@@ -92,45 +87,18 @@ def _compile(args: argparse.Namespace):
     from streamck.api import build_plan
 
     plan = build_plan(
-        args.src,
+        _spec(args),
         rules=args.rules or (),
-        plan=args.plan,
         dtype=args.dtype,
-        step=args.step,
-        key=args.key,
-        zero=args.zero,
-        keep_tied=args.keep_tied,
         copy_files=not args.no_copy_files,
-        verifier=args.verifier,
-        aux_layer_ids=args.aux_layer_ids,
-        hf_config=args.hf_config,
         merge_lora=args.merge_lora,
         safe_merge=args.safe_merge,
         merge_lora_any_base=args.merge_lora_any_base,
         merge_engine=args.merge_engine,
         experts=args.experts,
     )
-    if plan.source is not None:
-        _note(plan.source, getattr(args, "quiet", False))
-    for line in plan.notices:
-        print(f"streamck: note: {line}", file=sys.stderr)
+    _notes(plan, args.quiet)
     return plan
-
-
-def _print_plan(plan) -> None:
-    for line in plan.summary:
-        print(line)
-    rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
-    for t in plan.tensors:
-        src = t.transform.origin(t.source) if t.transform is not None else t.source
-        dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
-        dtype += f" {t.transform.label}" if t.transform is not None and t.transform.label else ""
-        rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
-    table(rows)
-    src = plan.source
-    dropped = len(src.tensors) - len(plan.tensors) if src else 0
-    counts = f"{dropped} dropped" if dropped >= 0 else f"from {len(src.tensors)} source tensors"  # experts split
-    print(f"{len(plan.tensors)} tensors ({counts}), {human(plan.total_size)} ({plan.total_size} bytes)")
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
@@ -154,7 +122,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         if args.json:
             sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
         else:
-            _print_plan(plan)
+            print_plan(plan)
         return 0
     result = write_plan(
         plan,
@@ -165,7 +133,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         drop_cache=args.drop_cache,
         device=args.device,
         verify=args.verify,
-        progress=not args.quiet and sys.stderr.isatty(),
+        progress=args.progress or ("none" if args.quiet else "auto"),
         format=args.format,
         jobs=args.jobs,
         part=part,
@@ -206,18 +174,24 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 def _side(path: str, args: argparse.Namespace, zero: bool) -> Side:
     """One side of ``diff``, its notices on stderr."""
-    from streamck.check.diff import load_side
+    from streamck.api import load_side
 
-    side = load_side(path, key=args.key, zero=zero, keep_tied=args.keep_tied)
+    side = load_side(_spec(args, path, zero))
     if side.checkpoint is not None:
-        _note(side.checkpoint)
+        _note(side.checkpoint, args.quiet)
     return side
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
-    from streamck.check.digest import hash_manifest
+    spec = _spec(args)
+    if spec.plan is None:
+        from streamck.check.digest import hash_manifest
 
-    m = hash_manifest(_open(args))
+        m = hash_manifest(_note(spec.open(), args.quiet))
+    else:
+        from streamck.writer import plan_digests
+
+        m = plan_digests(_notes(spec.compile(), args.quiet))
     text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())
     if args.output:
         Path(args.output).write_text(text)
@@ -251,7 +225,14 @@ def signals_as_exceptions() -> Iterator[None]:
             signal.signal(s, h)
 
 
-COMMANDS = {"ls": _cmd_ls, "rewrite": _cmd_rewrite, "diff": _cmd_diff, "hash": _cmd_hash}
+def _cmd_completion(args: argparse.Namespace) -> int:
+    from streamck.cli_complete import script
+
+    sys.stdout.write(script(args.shell, build_parser()))
+    return 0
+
+
+COMMANDS = {"ls": _cmd_ls, "rewrite": _cmd_rewrite, "diff": _cmd_diff, "hash": _cmd_hash, "completion": _cmd_completion}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # a closed pipe shows here rather than in the flush at exit
         return code
     except StreamckError as e:
-        print(f"streamck: error: {e}", file=sys.stderr)
+        print(f"streamck: error: {e.cli()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("streamck: interrupted", file=sys.stderr)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 
 from streamck import __version__
 
@@ -25,44 +27,137 @@ class _AddRule(argparse.Action):
 
 
 def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None:
-    if not diff:
-        parser.add_argument("--step", help="in a training run root: a step number, or latest")
-    parser.add_argument(
+    """What every command reads its source with (streamck.spec.SourceSpec's fields)."""
+    group = parser.add_argument_group("source: which checkpoint, read how" + (" (both sides)" if diff else ""))
+    group.add_argument("--step", help="in a training run root: a step number, or latest")
+    group.add_argument(
         "--key",
         help="in a .pt/.bin: read only the dict under this top-level key (e.g. state_dict); "
         "in a DCP checkpoint: only the items under this prefix (model, app.model), the prefix taken off",
     )
     zero = "read DeepSpeed ZeRO state (fp32 master) over a weights file beside it"
-    parser.add_argument("--zero", action="store_true", help=zero + (" (both sides)" if diff else ""))
+    group.add_argument("--zero", action="store_true", help=zero)
     if diff:
-        parser.add_argument("--zero-a", action="store_true", help=f"{zero}, on side a only")
-        parser.add_argument("--zero-b", action="store_true", help=f"{zero}, on side b only")
-    parser.add_argument(
+        group.add_argument("--zero-a", action="store_true", help=f"{zero}, on side a only")
+        group.add_argument("--zero-b", action="store_true", help=f"{zero}, on side b only")
+    group.add_argument(
         "--keep-tied",
         action="store_true",
         help="from ZeRO or FSDP state: write a tied head (lm_head.weight) too, even where config.json ties it",
+    )
+    group.add_argument(
+        "--plan",
+        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan, megatron-gpt, olmo2) or a TOML "
+        "plan file (its rules come first); ls, diff and hash then show what the plan would write",
+    )
+    group.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="with --plan torchtitan, megatron-gpt or olmo2: the model's Hugging Face config.json (its sizes; "
+        "written beside the weights), over a config.json beside the step",
+    )
+    group.add_argument(
+        "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
+    )
+    group.add_argument(
+        "--aux-layer-ids",
+        metavar="K,K,K",
+        help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
+        "(Automodel's ids), over what the step records",
     )
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with a usage mistake reported like every other error: one line, exit 2
-    (``--help`` still shows the usage)."""
+    (``--help`` still shows the usage); abbreviations refused (``--dtyp`` is a typo, not
+    ``--dtype``, and a later option could make it ambiguous), close spellings suggested."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self.commands.get(getattr(parsed, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extras)}{suggest(extras, options(command))}")
+        return parsed
 
     def error(self, message: str):
+        choice = INVALID_CHOICE.search(message)
+        if choice:
+            message += suggest([choice[1]], re.findall(r"'([^']*)'", choice[2]))
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# argparse's words for a value not among an argument's choices (Python 3.11 to 3.13).
+INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def options(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string ``parser`` takes (``--dtype``, ``-o``)."""
+    return [s for action in parser._actions for s in action.option_strings]
+
+
+def suggest(given: list[str], known: list[str]) -> str:
+    """``; did you mean --dtype?`` for the first of ``given`` close to one of ``known`` (a
+    misspelling, or a prefix of exactly one), else ""."""
+    for word in given:
+        word = word.split("=", 1)[0]
+        prefixed = [k for k in known if k.startswith(word) and len(word) > 2]
+        close = prefixed if len(prefixed) == 1 else difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]}?"
+    return ""
+
+
+# What every command exits with (the README's "Exit status" says the same).
+EXIT_STATUS = """exit status:
+  0    done (diff: the two sides are the same)
+  1    diff only: the two sides differ
+  2    bad input, a refused plan or output, a failed write (one line on stderr; nothing left at the output)
+  130  interrupted by Ctrl-C; 143, 129: stopped by SIGTERM, SIGHUP (nothing left at the output)"""
+REWRITE_EXAMPLES = """examples:
+  streamck rewrite ckpt/ -o out/ --strip-prefix model. --dtype bf16
+      rename and cast a Hugging Face checkpoint into out/ (config and tokenizer copied along)
+  streamck rewrite run/ --step latest --plan torchtitan --hf-config config.json -o hf/
+      a trainer's step as a Hugging Face model (see ls run/ for the plan to use)
+  streamck rewrite big/ -o out/ --max-shard-size 5GB --progress log --dry-run
+      print the plan, write nothing; drop --dry-run to write it, a progress line every 10 s"""
+# Where --progress auto shows a bar and where it writes log lines.
+PROGRESS = ("auto", "bar", "log", "none")
+SHELLS = ("bash", "zsh", "fish")
+
+
+def _quiet(parser: argparse.ArgumentParser, more: str = "") -> None:
+    """The -q every command takes: the same words, the same behaviour."""
+    parser.add_argument("-q", "--quiet", action="store_true", help=f"only notes that ask for action{more}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="streamck", description="Memory-streaming safetensors rewriter.")
+    parser = _Parser(
+        prog="streamck",
+        description="Memory-streaming safetensors rewriter.",
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"streamck {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices
 
     ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
     ls.add_argument("src", help="a .safetensors file or a checkpoint directory")
     ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _quiet(ls)
     _source_options(ls)
 
-    rw = sub.add_parser("rewrite", help="rename, filter and cast into a new checkpoint, streaming")
+    rw = sub.add_parser(
+        "rewrite",
+        help="rename, filter and cast into a new checkpoint, streaming",
+        epilog=f"{REWRITE_EXAMPLES}\n\n{EXIT_STATUS}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     rw.add_argument("src", help="a .safetensors file or a checkpoint directory")
     rw.add_argument("-o", "--output", help="OUT.safetensors (one file), a directory, or - for stdout")
     _source_options(rw)
@@ -88,26 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="cast matching floating tensors; wins over --dtype, last match wins",
     )
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
-    rules.add_argument(
-        "--plan",
-        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan (alias torchtitan-llama3), "
-        "megatron-gpt) or a TOML plan file (its rules come first)",
-    )
-    rules.add_argument(
-        "--hf-config",
-        metavar="FILE",
-        help="with --plan torchtitan or megatron-gpt: the model's Hugging Face config.json (its sizes; "
-        "written beside the weights), over a config.json beside the step",
-    )
-    rules.add_argument(
-        "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
-    )
-    rules.add_argument(
-        "--aux-layer-ids",
-        metavar="K,K,K",
-        help="with --plan eagle3[-speculators]: the target layers whose outputs the draft was trained on "
-        "(Automodel's ids), over what the step records",
-    )
     moe = rw.add_argument_group("Mixture-of-Experts (default: per expert, as save_pretrained writes them)")
     moe_way = moe.add_mutually_exclusive_group()
     moe_way.add_argument(
@@ -161,20 +236,35 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--force", action="store_true", help="replace an existing output")
     rw.add_argument("--no-copy-files", action="store_true", help="do not copy config and tokenizer files along")
     rw.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")
-    rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    rw.add_argument(
+        "--progress",
+        choices=PROGRESS,
+        help="auto (the default): a bar on a terminal, else a log line every 10 s (batch jobs); -q: none",
+    )
+    _quiet(rw, "; no progress or summary")
     rw.set_defaults(rules=None)
 
-    df = sub.add_parser("diff", help="compare key sets of checkpoints or manifests (exit 1 when they differ)")
+    df = sub.add_parser(
+        "diff",
+        help="compare key sets of checkpoints or manifests (exit 1 when they differ)",
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     df.add_argument("a", help="checkpoint (any layout) or manifest JSON")
     df.add_argument("b", help="checkpoint (any layout) or manifest JSON")
     df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
     df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
     df.add_argument("--json", action="store_true", help="print the result as JSON")
+    _quiet(df)
     _source_options(df, diff=True)
 
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")
     hs.add_argument("src", help="a .safetensors file or a checkpoint directory")
     hs.add_argument("--json", action="store_true", help="print a hash manifest (diff accepts it)")
     hs.add_argument("-o", "--output", help="write to this file instead of stdout")
+    _quiet(hs)
     _source_options(hs)
+
+    done = sub.add_parser("completion", help="print a shell completion script (bash, zsh, fish)")
+    done.add_argument("shell", choices=SHELLS, help='e.g. eval "$(streamck completion bash)" in ~/.bashrc')
     return parser

@@ -11,13 +11,29 @@ def listing(items: list[str], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + more
 
 
+# An option a message tells the caller to pass, as the library's caller spells it and as the
+# command line does: a message holds the mark, ``str()`` says ``force=True``, ``cli()`` ``--force``.
+OPTIONS = {"{force}": ("force=True", "--force")}
+
+
 class StreamckError(Exception):
-    """Bad input, a refused plan or a failed write; ``str()`` is one line a user can act on."""
+    """Bad input, a refused plan or a failed write; ``str()`` is one line a user can act on,
+    ``cli()`` the same line with options spelled as the command line takes them."""
 
     def __init__(self, message: str, path: str | os.PathLike | None = None):
         self.path = None if path is None else os.fspath(path)
-        self.message = message
-        super().__init__(f"{self.path}: {message}" if self.path else message)
+        self.message = message  # with OPTIONS' marks, kept when a message is wrapped in another
+        super().__init__(self._render(0))
+
+    def _render(self, spelling: int) -> str:
+        text = self.message
+        for mark, spellings in OPTIONS.items():
+            text = text.replace(mark, spellings[spelling])
+        return f"{self.path}: {text}" if self.path else text
+
+    def cli(self) -> str:
+        """The message as the command line says it (``--force``, not ``force=True``)."""
+        return self._render(1)
 
 
 class CheckpointError(StreamckError):

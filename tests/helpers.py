@@ -125,3 +125,29 @@ def built_once(base: Path, build) -> Path:
         shutil.rmtree(base, ignore_errors=True)
         tmp.rename(base)
     return base
+
+
+def says_the_plan(source: Path, plan: str, *plan_options) -> None:
+    """Issue #36: a trainer's checkpoint that a built-in plan exports, rewritten without it,
+    gets a note naming that plan (-q keeps it: it asks for action), and ``ls``'s summary
+    names it too; with the plan given (and ``plan_options``), no such note."""
+    hint = f"--plan {plan}"
+    bare = cli("rewrite", source, "--dry-run", "-q", check=0)
+    notes = [line for line in bare.stderr.splitlines() if line.startswith("streamck: note: this looks like")]
+    assert len(notes) == 1 and hint in notes[0], bare.stderr
+    listed = cli("ls", source, check=0).stdout.splitlines()[-1]
+    assert listed.startswith("this looks like") and hint in listed, listed
+    assert hint in cli("ls", source, "-q", "--json", check=0).stderr
+    planned = cli("rewrite", source, "--dry-run", "--plan", plan, *plan_options, check=0)
+    assert "this looks like" not in planned.stderr + planned.stdout
+
+
+def missing(what: str) -> None:
+    """A producer the test needs is not installed: a skip where someone runs pytest by hand,
+    a failure under scripts/test (STREAMCK_REQUIRE_PRODUCERS), which installs every producer,
+    so that a broken install never passes as skipped tests."""
+    import pytest
+
+    if os.environ.get("STREAMCK_REQUIRE_PRODUCERS"):
+        pytest.fail(f"{what} (STREAMCK_REQUIRE_PRODUCERS: scripts/test installs it)")
+    pytest.skip(what)

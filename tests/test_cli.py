@@ -154,7 +154,8 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
                 "--part",
                 "2/5",
                 "--keep-shards",
-                "-q",
+                "--progress",
+                "log",
             ]
         )
     assert seen == {
@@ -165,7 +166,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         "drop_cache": True,
         "device": "cpu",
         "verify": True,
-        "progress": False,
+        "progress": "log",
         "format": "torch",
         "jobs": 3,
         "part": (2, 5),

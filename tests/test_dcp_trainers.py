@@ -25,14 +25,15 @@ def assert_same(got: dict, want: dict) -> None:
 
 def rewritten(src: Path, tmp_path: Path, *args: str) -> dict[str, torch.Tensor]:
     out = tmp_path / "out.safetensors"
-    cli("rewrite", src, "-o", out, "--verify", *args, check=0)
+    cli("rewrite", src, "-o", out, "--verify", *args, check=0)  # a missing parent folder is created
     return load_file(out)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp", "hsdp", "multi", "ddp", "grid", "noflat"])
 def test_equals_torch_reading_it_back(dcp_trainers, tmp_path, layout):
     src = dcp_trainers[layout]
-    assert_same(rewritten(src, tmp_path), torch_oracle(src, tmp_path / "oracle.pt"))
+    every = ("--key", "*") if layout in ("fsdp2", "noflat") else ()  # a model beside its optimizer: all of it
+    assert_same(rewritten(src, tmp_path, *every), torch_oracle(src, tmp_path / "oracle.pt"))
 
 
 def test_strided_blobs_are_gathered(dcp_trainers):
@@ -50,8 +51,10 @@ def test_empty_chunk_with_odd_strides(dcp_trainers):
 
 def test_flatten_false_reads_the_pickled_dicts(dcp_trainers, tmp_path):
     # torch pickles each nested dict whole: {"model": {...}} is one non-tensor item
-    got = rewritten(dcp_trainers["noflat"], tmp_path)
+    got = rewritten(dcp_trainers["noflat"], tmp_path, "--key", "*")
     assert "model.layers.0.w1.weight" in got and "optimizer.state.0.exp_avg" in got
+    model = rewritten(dcp_trainers["noflat"], tmp_path / "m")  # by default the model group, its prefix off
+    assert sorted(model) == sorted(k.removeprefix("model.") for k in got if k.startswith("model."))
 
 
 def test_flatten_false_with_dtensors_is_refused(dcp_trainers, tmp_path):
@@ -97,12 +100,14 @@ def test_more_files_than_the_descriptor_limit(dcp_trainers, tmp_path):
 
 def test_skipped_items_fold_per_group_and_quiet_keeps_what_needs_action(dcp_trainers, tmp_path):
     src = dcp_trainers["fsdp2"]
-    notes = cli("ls", src, check=0).stderr.splitlines()
-    assert len(notes) == 3  # the groups; 12 optimizer items in one line; the train state
-    assert notes[1].startswith("streamck: note: optimizer: 12 non-tensor items skipped (optimizer.param_groups.0.lr,")
-    assert notes[2] == "streamck: note: train_state: 1 non-tensor item skipped (train_state.step)"
+    notes = cli("ls", src, "--key", "*", check=0).stderr.splitlines()
+    assert len(notes) == 2  # 12 optimizer items in one line; the train state
+    assert notes[0].startswith("streamck: note: optimizer: 12 non-tensor items skipped (optimizer.param_groups.0.lr,")
+    assert notes[1] == "streamck: note: train_state: 1 non-tensor item skipped (train_state.step)"
+    model = cli("ls", src, check=0).stderr.splitlines()
+    assert len(model) == 1 and model[0].startswith("streamck: note: read the model: 12 tensors under 'model'")
     quiet = cli("rewrite", src, "-o", tmp_path / "out.safetensors", "-q", check=0).stderr.splitlines()
-    assert quiet == [notes[0]]  # the groups and the flag: an action to take
+    assert quiet == model  # what was left out, and how to have it: kept under -q
 
 
 def test_hf_writer_pickle_in_front_is_named(tmp_path):

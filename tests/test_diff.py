@@ -51,11 +51,31 @@ def test_equal_and_exit_codes(tmp_path):
     ck = save_sharded(tmp_path / "ck", llama_like(), 2)
     (tmp_path / "golden.json").write_text(cli("ls", ck, "--json").stdout)
     same = cli("diff", tmp_path / "golden.json", ck)
-    assert same.returncode == 0 and "no differences" in same.stdout
+    assert same.returncode == 0 and "same 13 tensors: names, dtypes, shapes; values not compared" in same.stdout
     other = save(tmp_path / "o.safetensors", {"x": np.zeros(1)})
     assert cli("diff", tmp_path / "golden.json", other).returncode == 1
     bad = cli("diff", tmp_path / "golden.json", tmp_path / "missing")
     assert bad.returncode == 2 and bad.stderr.startswith("streamck: error:")
+
+
+def test_equal_says_what_was_compared(tmp_path):
+    """Issue #36: without --data, values are not compared, and the report says so rather
+    than "no differences"; with --data or digests, it says they were."""
+    tensors = llama_like()
+    a = save(tmp_path / "a.safetensors", tensors)
+    b = save(tmp_path / "b.safetensors", {k: v + 1 if v.dtype.kind == "f" else v for k, v in tensors.items()})
+    headers = cli("diff", a, b, check=0).stdout
+    assert headers.splitlines()[-1] == (
+        "same 13 tensors: names, dtypes, shapes; values not compared (--data compares them)"
+    )
+    assert "no differences" not in headers
+    assert json.loads(cli("diff", a, b, "--json", check=0).stdout)["compared"] == ["names", "dtypes", "shapes"]
+    assert "data changed (" in cli("diff", a, b, "--data", check=1).stdout
+    same = cli("diff", a, a, "--data", check=0).stdout
+    assert same.splitlines()[-1] == "same 13 tensors: names, dtypes, shapes and values"
+    (tmp_path / "a.json").write_text(cli("hash", a, "--json", check=0).stdout)
+    hashed = cli("diff", tmp_path / "a.json", a, check=0).stdout
+    assert hashed.splitlines()[-1] == "same 13 tensors: names, dtypes, shapes and sha256"
 
 
 def test_manifest_against_dry_run_manifest(tmp_path):

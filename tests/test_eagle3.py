@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from eagle3_drafts import engine_load, engine_params, engine_shape, make_draft, serving_name, speculators_as_vllm
-from helpers import metadata_of, read_all
+from helpers import cli, metadata_of, read_all, says_the_plan
 
 from streamck import PlanError, UsageError
 from streamck.api import rewrite
@@ -403,3 +403,13 @@ def test_cli_exports_and_refusals(tmp_path):
     bad = _cli(refused, "-o", tmp_path / "y", "--plan", "eagle3")
     assert bad.returncode == 2 and "P-EAGLE" in bad.stderr and bad.stderr.count("\n") == 1
     assert not (tmp_path / "y").exists()
+
+
+def test_without_the_plan_a_note_names_it(tmp_path):
+    """Issue #36: an Automodel EAGLE-3 draft step rewritten or listed without --plan names the
+    plans (native and speculators); an EAGLE-3 export names none."""
+    src, _, _ = make_draft(tmp_path / "step")
+    says_the_plan(src, "eagle3")
+    assert "--plan eagle3-speculators" in cli("ls", src, check=0).stdout.splitlines()[-1]
+    rewrite(src, tmp_path / "native", plan="eagle3")
+    assert not cli("ls", tmp_path / "native", check=0).stdout.splitlines()[-1].startswith("this looks like")

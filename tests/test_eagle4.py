@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 from eagle4_drafts import BASE_CONFIG, make_draft, serving_name
-from helpers import metadata_of, read_all
+from helpers import metadata_of, read_all, says_the_plan
 
 from streamck import OutputError, PlanError, export_eagle4_draft
 
@@ -262,3 +262,9 @@ def test_dry_run_manifest_matches_the_export(tmp_path):
     assert manifest["metadata"] == {"format": "pt"}
     out = export_eagle4_draft(src, tmp_path / "export")
     assert diff(tmp_path / "now.json", out / "model.safetensors").equal
+
+
+def test_without_the_plan_a_note_names_it(tmp_path):
+    """Issue #36: an EAGLE-4 draft step rewritten or listed without --plan names the plan."""
+    src, _, _ = make_draft(tmp_path / "step", consolidated=True)
+    says_the_plan(src, "eagle4")

@@ -167,4 +167,4 @@ def test_any_base_keyword(root, base, tmp_path):
     config = adapter / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "org/another"}))
     plan = build_plan(base, merge_lora=adapter, merge_lora_any_base=True)
-    assert any(t.merge is not None for t in plan.tensors)
+    assert any(t.transform is not None for t in plan.tensors)

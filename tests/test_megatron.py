@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import built_once, cli, missing, says_the_plan
 
 torch = pytest.importorskip("torch")
 
@@ -34,7 +34,7 @@ def megatron(request, tmp_path_factory) -> dict[str, Path]:
     root = Path(cache.mkdir("streamck-megatron")) if cache is not None else tmp_path_factory.mktemp("megatron")
     base = root / f"megatron-{digest}"
     if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
-        pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
+        missing(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
 
     def build(tmp: Path) -> None:
         path = os.pathsep.join([str(BENCH), MEGATRON, os.environ.get("PYTHONPATH", "")])
@@ -270,3 +270,60 @@ def test_rewritten_args_still_convert(megatron, tmp_path):
     run = _with_args(_copy(megatron, tmp_path))
     cli("rewrite", run, "-o", tmp_path / "hf", "--plan", PLAN)
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_every_command_reads_a_run_root(megatron, tmp_path):
+    """ls, hash and diff take the run root rewrite takes (its tracker names the step, said in a
+    note), and --step picks iter_NNNNNNN folders; with --plan they show what the plan writes."""
+    run = tmp_path / "run"  # as Megatron's training loop leaves it (the fixture's oracles left behind)
+    shutil.copytree(megatron["gpt"] / "iter_0000010", run / "iter_0000010")
+    for name in ("latest_checkpointed_iteration.txt", "config.json"):
+        shutil.copy(megatron["gpt"] / name, run / name)
+    listed = cli("ls", run, "--json", check=0)
+    assert "--step latest: iter_0000010 (latest_checkpointed_iteration.txt)" in listed.stderr
+    direct = cli("ls", run / "iter_0000010", "--json", check=0)
+    assert json.loads(listed.stdout) == json.loads(direct.stdout)
+    assert "decoder.layers.self_attention.linear_qkv.weight" in json.loads(listed.stdout)["tensors"]
+    assert cli("ls", run, "--step", "10", "--json", check=0).stdout == direct.stdout
+    assert "no step 3 here (steps: 10)" in cli("ls", run, "--step", "3", check=2).stderr
+    assert cli("hash", run, check=0).stdout == cli("hash", run / "iter_0000010", check=0).stdout
+    assert cli("diff", run, run / "iter_0000010", check=0).returncode == 0
+
+    planned = json.loads(cli("ls", run, "--plan", PLAN, "--json", check=0).stdout)
+    cli("rewrite", run, "-o", tmp_path / "hf", "--plan", PLAN, check=0)
+    written = json.loads(cli("ls", tmp_path / "hf", "--json", check=0).stdout)
+    assert planned["tensors"] == written["tensors"] and "model.layers.0.self_attn.q_proj.weight" in planned["tensors"]
+    refused = cli("diff", run, tmp_path / "hf", "--plan", PLAN, check=2).stderr  # --plan reads both sides
+    assert "hf: is not a Megatron dist checkpoint" in refused
+    assert cli("diff", run, run, "--plan", PLAN, check=0).returncode == 0
+    (tmp_path / "planned.json").write_text(json.dumps(planned))  # a golden key set for CI
+    assert cli("diff", tmp_path / "planned.json", tmp_path / "hf", check=0).returncode == 0
+    hashed = cli("hash", run, "--plan", PLAN, "--json", check=0).stdout
+    assert (
+        json.loads(hashed)["tensors"] == json.loads(cli("hash", tmp_path / "hf", "--json", check=0).stdout)["tensors"]
+    )
+
+
+def test_library_takes_one_source_description(megatron):
+    """streamck.ls/hash/build_plan take a SourceSpec, or its fields as keywords."""
+    import streamck
+    from streamck.spec import SourceSpec
+
+    spec = SourceSpec(megatron["gpt"], plan=PLAN)
+    assert streamck.ls(spec) == streamck.ls(megatron["gpt"], plan=PLAN)
+    assert [t.name for t in streamck.build_plan(spec).tensors] == sorted(
+        streamck.ls(spec)["tensors"], key=[t.name for t in streamck.build_plan(spec).tensors].index
+    )
+    with pytest.raises(streamck.UsageError, match="unknown source option"):
+        streamck.ls(megatron["gpt"], stpe=10)
+
+
+def test_without_the_plan_a_note_names_it(megatron, tmp_path):
+    """Issue #36: a Megatron iteration (or its run root, read at the tracker's step) rewritten
+    or listed without --plan names the plan."""
+    run = tmp_path / "run"  # as Megatron's training loop leaves it (the fixture's oracles left behind)
+    shutil.copytree(megatron["gpt"] / "iter_0000010", run / "iter_0000010")
+    shutil.copy(megatron["gpt"] / "latest_checkpointed_iteration.txt", run)
+    shutil.copy(megatron["gpt"] / "config.json", run)
+    says_the_plan(run / "iter_0000010", PLAN)
+    says_the_plan(run, PLAN)

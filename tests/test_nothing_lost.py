@@ -246,9 +246,14 @@ def test_the_one_dict_of_tensors_is_chosen_and_said(tmp_path):
     torch.save({"state_dict": weights, "epoch": 3, "optimizer_states": [{"m": torch.ones(2)}]}, tmp_path / "l.pt")
     ckpt = open_checkpoint(tmp_path / "l.pt")
     assert sorted(ckpt.tensors) == ["layer.bias", "layer.weight"]
-    assert ckpt.notices == [
-        "l.pt: read the tensors under 'state_dict', the only dict holding any (see --key); "
-        "left out: epoch, optimizer_states (tensors there: 1)"
+    assert ckpt.notices == [  # issue 34: the model group beside training state
+        "l.pt: read the model: 2 tensors under 'state_dict', that prefix taken off; "
+        "left out: optimizer_states (1 tensor); --key '*' reads every group"
+    ]
+    torch.save({"state_dict": weights, "epoch": 3, "extra": [{"m": torch.ones(2)}]}, tmp_path / "o.pt")
+    assert open_checkpoint(tmp_path / "o.pt").notices == [  # no training state beside: the one dict of tensors
+        "o.pt: read the tensors under 'state_dict', the only dict holding any (see --key); "
+        "left out: epoch, extra (tensors there: 1)"
     ]
     chosen = open_checkpoint(tmp_path / "l.pt", key="state_dict")
     assert chosen.tensors.keys() == ckpt.tensors.keys() and chosen.notices == []

@@ -3,6 +3,7 @@
 --plan eagle4, side files, a full disk behind stdout, and the docs a newcomer reads."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,25 @@ def test_cast_without_torch_names_the_extra(tmp_path, src):
     proc = without_torch("rewrite", str(src), "-o", str(tmp_path / "p"), "--dtype", "bf16", "-q")
     if proc.returncode:  # CPU casts that still run through torch
         one_line_error(proc, "casting needs torch, which is not installed: pip install 'streamck[cast]'")
+
+
+def test_device_cuda_with_nothing_to_cast_is_an_error(tmp_path, src):
+    """Issue #36: --device cuda where nothing is cast still needs the device, as the README
+    says: one line, exit 2, nothing written; without torch, and with torch but no GPU (any
+    GPU hidden from the child)."""
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = without_torch("rewrite", str(src), "-o", str(tmp_path / "o"), "--device", "cuda", "-q")
+    one_line_error(proc, "casting on cuda needs torch, which is not installed: pip install 'streamck[cast]'")
+    proc = cli("rewrite", src, "-o", tmp_path / "p", "--device", "cuda:1", "-q", env=no_gpu)
+    one_line_error(proc, "--device cuda:1: no usable CUDA device")
+    with open(tmp_path / "stream", "wb") as stdout:
+        proc = subprocess.run(
+            [sys.executable, "-m", "streamck", "rewrite", str(src), "-o", "-", "--device", "cuda", "-q"],
+            stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=REPO, env=no_gpu,
+        )  # fmt: skip
+    one_line_error(proc, "--device cuda: no usable CUDA device")
+    assert (tmp_path / "stream").stat().st_size == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "stream"]
 
 
 # 4. --version.

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import built_once, cli, says_the_plan
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -204,3 +204,9 @@ def test_tied_head_differing_after_64_kib_is_refused(tmp_path):
     _same_head(refs["same"], refs["tok_embeddings.weight"], tmp_path / "config.json")
     with pytest.raises(PlanError, match="output.weight is not tok_embeddings.weight in this checkpoint"):
         _same_head(refs["output.weight"], refs["tok_embeddings.weight"], tmp_path / "config.json")
+
+
+def test_without_the_plan_a_note_names_it(titan):
+    """Issue #36: a torchtitan step rewritten or listed without --plan names the plan."""
+    for name in ("llama3", "llama3_v02", "qwen3"):
+        says_the_plan(titan[name] / "checkpoint" / "step-1", PLAN, "--hf-config", titan[name] / "config.json")

@@ -146,8 +146,13 @@ def test_megatron_qkv_groups_and_gate_up(tmp_path, kind):
     step = (per + 2) * hd
     for layer in (0, 5):
         q = concat("q", [select(ref, Rows.span(g * step, g * step + per * hd), index=layer) for g in range(groups)])
-        k = concat("k", [select(ref, Rows.span(g * step + per * hd, g * step + (per + 1) * hd), index=layer)
-                         for g in range(groups)])
+        k = concat(
+            "k",
+            [
+                select(ref, Rows.span(g * step + per * hd, g * step + (per + 1) * hd), index=layer)
+                for g in range(groups)
+            ],
+        )
         want = A[layer].reshape(groups, per + 2, hd, 5)  # [g, q heads | k | v, hd, cols]
         _check(tmp_path, q, want[:, :per].reshape(-1, 5))
         _check(tmp_path, k, want[:, per].reshape(-1, 5))
@@ -199,8 +204,11 @@ def test_shape_errors_name_derived_sizes():
 
     ref = TensorRef("decoder.layers.self_attention.linear_qkv.weight", "F32", (2, 100, 64), Path("x"), 0, 51200)
     sizes = {"L": 2, "QKV": 128, "H": 64}
-    with pytest.raises(PlanError, match=r"expected \[2, 128, 64\] = \[L, QKV, H\] from L = num_hidden_layers, "
-                       r"QKV = \(num_attention_heads \+ 2 \* num_key_value_heads\) \* head_dim"):
+    with pytest.raises(
+        PlanError,
+        match=r"expected \[2, 128, 64\] = \[L, QKV, H\] from L = num_hidden_layers, "
+        r"QKV = \(num_attention_heads \+ 2 \* num_key_value_heads\) \* head_dim",
+    ):
         check(ref.name, ref, ("L", "QKV", "H"), sizes, Path("ckpt"))
 
 

@@ -252,16 +252,16 @@ def test_drop_cache_releases_read_and_written_pages(tmp_path, monkeypatch, drop)
 
 
 def test_progress_bar_counts_every_output_byte(tmp_path, capsys, monkeypatch):
-    import streamck.writer.shardwriter as sw
+    import streamck.writer.progress as wp
 
     counted = []
-    real_close = sw.Progress.close
+    real_close = wp.Bar.close
 
     def close(self):
         counted.append(self.bar.n)
         real_close(self)
 
-    monkeypatch.setattr(sw.Progress, "close", close)
+    monkeypatch.setattr(wp.Bar, "close", close)
     src = save(tmp_path / "s.safetensors", llama_like())
     plan = compile_plan(open_checkpoint(src), Rules((Rule("cast", "*norm*=bf16"),)))  # copies and a cast
     write_plan(plan, tmp_path / "o.safetensors", progress=True, chunk=64)

@@ -74,6 +74,8 @@ class DiffResult:
     shape: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     digest: list[str] = field(default_factory=list)
     data: list[DataDiff] = field(default_factory=list)
+    digests_compared: bool = False  # sha256 digests, where a side carried them
+    data_compared: bool = False  # tensor bytes (data=True)
 
     @property
     def equal(self) -> bool:
@@ -95,7 +97,13 @@ class DiffResult:
             "shape_changed": [{"name": n, "a": x, "b": y} for n, x, y in self.shape],
             "digest_changed": self.digest,
             "data_changed": [d.__dict__ for d in self.data],
+            "compared": self.compared,
         }
+
+    @property
+    def compared(self) -> list[str]:
+        """The properties of the common tensors that were compared."""
+        return ["names", "dtypes", "shapes"] + ["sha256"] * self.digests_compared + ["values"] * self.data_compared
 
     def __str__(self) -> str:
         lines = [f"--- a: {self.a} ({self.count_a} tensors)", f"+++ b: {self.b} ({self.count_b} tensors)"]
@@ -119,8 +127,14 @@ class DiffResult:
             ],
         )
         if self.equal:
-            lines.append("no differences")
+            lines.append(self.same())
         return "\n".join(lines)
+
+    def same(self) -> str:
+        """What "equal" means here: which properties of the tensors were compared."""
+        if self.data_compared or self.digests_compared:
+            return f"same {self.count_a} tensors: {', '.join(self.compared[:-1])} and {self.compared[-1]}"
+        return f"same {self.count_a} tensors: names, dtypes, shapes; values not compared (--data compares them)"
 
 
 def _changes(items: list[tuple[str, Any, Any]]) -> list[str]:
@@ -218,13 +232,15 @@ def diff(
             result.shape.append((n, list(ea["shape"]), list(eb["shape"])))
         if ea["dtype"] == eb["dtype"] and list(ea["shape"]) == list(eb["shape"]):
             same_layout.append(n)
-    result.digest = _compare_digests(sa, sb, same_layout)
+    digests = _compare_digests(sa, sb, same_layout)
+    result.digest, result.digests_compared = digests or [], digests is not None
     if data:
-        result.data = _compare_data(sa.checkpoint, sb.checkpoint, same_layout)
+        result.data, result.data_compared = _compare_data(sa.checkpoint, sb.checkpoint, same_layout), True
     return result
 
 
-def _compare_digests(sa: Side, sb: Side, names: list[str]) -> list[str]:
+def _compare_digests(sa: Side, sb: Side, names: list[str]) -> list[str] | None:
+    """The names whose digests differ; None when the digests are not compared (neither side has them)."""
     from streamck.check.digest import ALGORITHM, tensor_digests
 
     def digests(side: Side, other: Side) -> dict[str, str] | None:
@@ -238,5 +254,5 @@ def _compare_digests(sa: Side, sb: Side, names: list[str]) -> list[str]:
 
     da, db = digests(sa, sb), digests(sb, sa)
     if da is None or db is None:
-        return []
+        return None
     return [n for n in names if n in da and n in db and da[n] != db[n]]

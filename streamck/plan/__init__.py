@@ -22,6 +22,7 @@ PLAN_FUNCTIONS = {
     "torchtitan": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),
     "torchtitan-llama3": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),  # its first name, kept
     "megatron-gpt": ("streamck.plan.megatron.plan", "megatron_plan"),
+    "olmo2": ("streamck.plan.olmo2.plan", "olmo2_plan"),
 }
 # The plan functions as attributes of this package, imported on first use.
 _LAZY = {function: module for module, function in PLAN_FUNCTIONS.values()}
@@ -47,7 +48,7 @@ VERIFIER_PLANS = frozenset({"eagle3-speculators"})
 # Built-in plans that take --aux-layer-ids (refused for the others).
 AUX_LAYER_PLANS = frozenset({"eagle3", "eagle3-speculators"})
 # Built-in plans that take --hf-config: a trainer's checkpoint to a Hugging Face model.
-HF_CONFIG_PLANS = frozenset({"torchtitan", "torchtitan-llama3", "megatron-gpt"})
+HF_CONFIG_PLANS = frozenset({"torchtitan", "torchtitan-llama3", "megatron-gpt", "olmo2"})
 
 
 __getattr__ = lazy_getattr(__name__, globals(), _LAZY)
@@ -68,5 +69,6 @@ __all__ = [
     "eagle4_plan",
     "load_rules",
     "megatron_plan",
+    "olmo2_plan",
     "torchtitan_plan",
 ]

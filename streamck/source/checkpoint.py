@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import gc
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from operator import itemgetter
 from pathlib import Path
 
-from streamck.dtypes import nbytes
-from streamck.errors import CheckpointError, listing
-from streamck.source import fsdp
+from streamck.errors import CheckpointError, Info, listing
+from streamck.source import fsdp, olmo
 from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
-from streamck.source.index import Checkpoint, FileStamp
-from streamck.source.layout import Layout, find_layout, pick_step
+from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
+from streamck.source.layout import Layout, bare_run_root, find_layout, pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
 
@@ -63,7 +61,8 @@ def open_checkpoint(
     directory with ``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
     and its shards, a directory of ``*.safetensors`` or ``pytorch_model*.bin`` shards,
     a step directory whose weights are in ``model/consolidated``, or, with ``step``
-    (a number or ``"latest"``), a run root of ``checkpoint-<step>`` folders.
+    (a number or ``"latest"``), a run root of step folders (streamck.source.layout.STEP_DIRS);
+    a run root that marks its latest step is read at that step when ``step`` is None.
     In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
     ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip),
     and in a DCP checkpoint only the items under that dotted prefix (``model``,
@@ -77,14 +76,26 @@ def open_checkpoint(
     unless ``keep_tied``.
     Raises CheckpointError for anything malformed.
     """
-    path = Path(path)
-    if step is not None:
-        path = pick_step(path, step)
+    path, picked = resolve_step(Path(path), step)
     with _gc_paused():
         try:
-            return _index(path, key, zero, keep_tied)
+            ckpt = _index(path, key, zero, keep_tied)
         except OSError as e:  # stat or open of a path we may not enter or read
             raise CheckpointError(f"cannot read: {e.strerror}", e.filename or path) from None
+    ckpt.notices[:0] = picked
+    return ckpt
+
+
+def resolve_step(path: Path, step: str | int | None) -> tuple[Path, list[Info]]:
+    """The folder to read for ``path`` and ``step``: a run root's step (``latest`` too, and
+    implied where the run marks it and no ``--step`` is given), else ``path``; with a note
+    saying which step was picked, for the user to see."""
+    if step is None and bare_run_root(path):
+        step = "latest"
+    if step is None:
+        return path, []
+    picked, why = pick_step(path, step)
+    return picked, [Info(why)]
 
 
 @contextmanager
@@ -129,38 +140,13 @@ def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoin
         entries, notices = fsdp.read_fsdp(layout.root)
     elif layout.kind == "distcp":
         entries, notices = distcp.read_distcp(layout.root, key)
+        notices += olmo.left_beside(layout.root)
     else:
         entries, notices = dcp.read_sharded_safetensors(layout.shards, key)
-    tensors, paths = _tiled(entries, layout.root)
+    tensors, paths = tiled(entries, layout.root)
     files |= {p: FileStamp.of(p) for p in paths if p not in files}
     cross_check(layout.side_root or layout.root, tensors)
     return Checkpoint(path, layout.root, tensors, {}, files, notices, layout.side_root)
-
-
-def _tiled(entries: dict, root: Path) -> tuple[dict[str, TensorRef], list[Path]]:
-    """References of tensors read as tiles (DCP chunks, ZeRO fragments), and every file
-    their tiles lie in."""
-    tensors = {e.name: _tiled_ref(e, root) for e in entries.values()}
-    return tensors, list(dict.fromkeys(t.path for e in entries.values() for t in e.tiles))
-
-
-def _tiled_ref(e, root: Path) -> TensorRef:
-    """A tiled entry's reference; a DCP tensor saved whole as a strided view is a view,
-    gathered as a ``.pt`` file's views are."""
-    size = nbytes(e.dtype, math.prod(e.shape))
-    strides = getattr(e, "strides", None)  # ZeRO's entries have none
-    if strides is not None:
-        return TensorRef(e.name, e.dtype, e.shape, e.tiles[0].path, e.tiles[0].start, e.tiles[0].start + size, strides)
-    return TensorRef(e.name, e.dtype, e.shape, e.tiles[0].path if e.tiles else root, 0, size, None, e.tiles)
-
-
-def _not_empty(ckpt: Checkpoint, what: str) -> Checkpoint:
-    """A training-format source (DCP, Automodel, ZeRO) that yields no tensor is an error, never an
-    empty output: its notices say why (non-tensor items only, flatten_state_dict=False)."""
-    if not ckpt.tensors:
-        why = "; ".join(ckpt.notices)
-        raise CheckpointError(f"no tensors in this {what} checkpoint" + (f" ({why})" if why else ""), ckpt.root)
-    return ckpt
 
 
 _name = itemgetter(0)  # TensorRef.name, at C speed
@@ -170,15 +156,19 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     layout = find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
         found = untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
-        return _not_empty(found, "DeepSpeed ZeRO")
+        return not_empty(found, "DeepSpeed ZeRO")
+    if layout.kind == "verl":
+        from streamck.source.verl import index_verl
+
+        return index_verl(path, layout.root, select, keep_tied)
     if zero:
         raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind == "fsdp":
         if select not in (None, fsdp.MODEL_KEY):
             raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, 'model'", path)
-        return untie_fsdp(_not_empty(_index_distributed(path, layout, None), "FSDP"), keep_tied)
+        return untie_fsdp(not_empty(_index_distributed(path, layout, None), "FSDP"), keep_tied)
     if layout.kind != "files":
-        return tied_kept(_not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
+        return tied_kept(not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
@@ -209,7 +199,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
         empty = [n for n, t in tensors.items() if not t.numel]
         found = _placeholders(path, layout, tensors, empty, keep_tied) if not tensors or empty else None
         if found is not None:
-            return _not_empty(found, "DeepSpeed ZeRO")
+            return not_empty(found, "DeepSpeed ZeRO")
         rel = _rel(layout.zero, layout.root)
         notices.append(f"DeepSpeed ZeRO state is here too ({rel}): --zero reads its fp32 master weights instead")
     found = Checkpoint(path, layout.root, tensors, metadata, files, notices, layout.side_root)
@@ -265,6 +255,6 @@ def _index_zero(path: Path, step_dir: Path, side_root: Path) -> tuple[Checkpoint
     entries, aliases, notices = read_zero(step_dir)
     if step_dir != path and not (path / "latest").exists():  # a step folder chosen for the user
         notices.insert(0, f"no 'latest' file in {step_dir.parent.name}: reading its one ZeRO step, {step_dir.name}")
-    tensors, paths = _tiled(entries, step_dir)
+    tensors, paths = tiled(entries, step_dir)
     files = {p: FileStamp.of(p) for p in paths}
     return Checkpoint(path, step_dir, tensors, {}, files, notices, side_root), aliases

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from streamck.errors import CheckpointError, Info, listing
+from streamck.source.groups import ALL_KEY, is_state, model_group, model_note
 from streamck.source.header import read_header
 from streamck.source.runs import Tile, tiling_error
 from streamck.source.serde import Invalid, no_duplicates
@@ -168,12 +169,6 @@ def _per_dim(tiles: list[Tile]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]
 
 # ---------------------------------------------------------------- top-level groups and --key
 
-# Top-level items a trainer saves beside the weights (get_state_dict's "optimizer",
-# torchtitan's "train_state", "lr_scheduler", "dataloader").
-TRAINING_STATE = frozenset(
-    ("optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler", "train_state", "dataloader")
-)
-
 
 def _groups(names: list[str]) -> str:
     """The common dotted prefix of ``names`` under which they part ways ("" or "app.")."""
@@ -204,7 +199,7 @@ def _shown(counts: dict[str, list[int]]) -> str:
 
 def _weights_flag(counts: dict[str, list[int]]) -> str:
     """The flag that takes the model weights alone, or "" when the groups do not tell."""
-    state = [g for g in counts if g.rsplit(".", 1)[-1] in TRAINING_STATE]
+    state = [g for g in counts if is_state(g)]
     weights = [g for g, (t, _) in counts.items() if t and g not in state]
     if not state or not weights:
         return ""
@@ -227,20 +222,37 @@ def skipped_notes(names: list[str], prefix: str = "") -> list[str]:
 
 
 def select(tensors: list[str], others: list[str], key: str | None, where: Path) -> tuple[dict[str, str], list[str]]:
-    """Which tensors of a flattened state dict to read, and their names: all of them, or with
-    ``key`` (``model``, ``app.model``) those under ``key.``, that prefix taken off. Also the
-    notices: the top-level groups with their counts when there are several (and the flag
-    that takes the weights alone), and the non-tensor items skipped, folded per group."""
+    """Which tensors of a flattened state dict to read, and their names: with ``key``
+    (``model``, ``app.model``) those under ``key.``, that prefix taken off; without it, the
+    model group when it sits beside training state (streamck.source.groups, said in a note),
+    else all of them, as with ``key`` ``*``. Also the notices: the top-level groups with
+    their counts when there are several (and the flag that takes the weights alone), and
+    the non-tensor items skipped, folded per group."""
     prefix = _groups(tensors + others) if tensors or others else ""
     counts = _counts(tensors, others, prefix)
-    if key is None:  # the groups are said when training state is among them: an action to take
-        state = any(g.rsplit(".", 1)[-1] in TRAINING_STATE for g in counts)
-        notes = [f"top-level groups: {_shown(counts)}{_weights_flag(counts)}"] if state else []
+    if key is None:
+        group = model_group({g: t for g, (t, _) in counts.items()})
+        if group is not None:
+            chosen, left, notes = _under(tensors, others, group, prefix, counts, where)
+            return chosen, [model_note(group, len(chosen), _shown(left)), *notes]  # kept under -q: what was left out
+    if key is None or key == ALL_KEY:  # the groups are said when training state is among them: an action to take
+        state = any(is_state(g) for g in counts)
+        notes = [f"top-level groups: {_shown(counts)}{_weights_flag(counts)}"] if state and key is None else []
         return {n: n for n in tensors}, notes + skipped_notes(others, prefix)
+    chosen, left, notes = _under(tensors, others, key, prefix, counts, where)
+    return chosen, (
+        [Info(f"--key {key}: {len(chosen)} tensors read; left out: {_shown(left)}")] if left else []
+    ) + notes
+
+
+def _under(
+    tensors: list[str], others: list[str], key: str, prefix: str, counts: dict[str, list[int]], where: Path
+) -> tuple[dict[str, str], dict[str, list[int]], list[str]]:
+    """The tensors under ``key.`` (prefix taken off), the groups left out with their counts,
+    and the notes on the skipped non-tensor items under ``key``."""
     head = key.rstrip(".") + "."
     chosen = {n: n[len(head) :] for n in tensors if n.startswith(head)}
     if not chosen:
         raise CheckpointError(f"no tensors under key {key!r}; top-level groups: {_shown(counts) or 'none'}", where)
     left = {g: c for g, c in counts.items() if not (g + ".").startswith(head) and not head.startswith(g + ".")}
-    notes = [Info(f"--key {key}: {len(chosen)} tensors read; left out: {_shown(left)}")] if left else []
-    return chosen, notes + skipped_notes([n for n in others if n.startswith(head)], prefix)
+    return chosen, left, skipped_notes([n for n in others if n.startswith(head)], prefix)

@@ -91,7 +91,7 @@ def _plain(*args):  # layouts, memory-format codes, paths: recorded, never used
 
 
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
-# module -> {name: stand-in}: what torch 2.13's FileSystemWriter and megatron-core pickle
+# module -> {name: stand-in}: what torch 2.13's FileSystemWriter, megatron-core and OLMo-core pickle
 # (see pickletools on real files), nothing else.
 _ALLOWED: dict[str, dict[str, object]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -105,6 +105,8 @@ _ALLOWED: dict[str, dict[str, object]] = {
         "_MEM_FORMAT_ENCODING": _plain,
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo": _StorageInfo, "_StoragePrefix": _Inert},
+    # OLMo-core 3.0's own FileSystemWriter pickles its copy of the class (same fields)
+    "olmo_core.distributed.checkpoint.filesystem": {"_StorageInfo": _StorageInfo, "_StoragePrefix": _Inert},
     # megatron-core's Metadata.all_local_plans: every rank's save plan, data only
     "torch.distributed.checkpoint.planner": dict.fromkeys(
         ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"), _Inert

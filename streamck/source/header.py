@@ -35,6 +35,7 @@ from streamck.errors import CheckpointError, OutputError
 from streamck.source.runs import Run, Tile, tile_runs
 from streamck.source.serde import MAX_NESTING, decode_json, serde_overflows
 from streamck.source.serde import Invalid as _Invalid
+from streamck.source.sniff import SAMPLE, looks_like
 
 MAX_HEADER = 100_000_000  # the reference reader's cap on the JSON header, in bytes
 METADATA_KEY = "__metadata__"
@@ -255,10 +256,15 @@ def read_header(path: str | os.PathLike) -> Header:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
+                if looks_like(prefix) is not None:
+                    raise CheckpointError(f"is not a safetensors file: it looks like {looks_like(prefix)}", path)
                 raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", path)
             (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER and prefix[:4] == b"PK\x03\x04":  # a zip's first bytes read as ~5.8e17
-                raise CheckpointError("is a zip archive (a torch.save pickle), not safetensors", path)
+            if n > MAX_HEADER or (8 + n > size and f.read(1) != b"{"):  # no header: some other file
+                f.seek(0)
+                what = looks_like(f.read(SAMPLE))
+                if what is not None:
+                    raise CheckpointError(f"is not a safetensors file: it looks like {what}", path)
             if n > MAX_HEADER:
                 raise CheckpointError(f"header length {n} is above the {MAX_HEADER}-byte cap", path)
             if 8 + n > size:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError
 from streamck.source.header import TensorRef
 
@@ -64,3 +66,29 @@ class Checkpoint:
                 raise CheckpointError(f"source vanished during the run: {e.strerror}", path) from None
             if now != stamp:
                 raise CheckpointError("source file changed during the run", path)
+
+
+def tiled(entries: dict, root: Path) -> tuple[dict[str, TensorRef], list[Path]]:
+    """References of tensors read as tiles (DCP chunks, ZeRO fragments), and every file
+    their tiles lie in."""
+    tensors = {e.name: tiled_ref(e, root) for e in entries.values()}
+    return tensors, list(dict.fromkeys(t.path for e in entries.values() for t in e.tiles))
+
+
+def tiled_ref(e, root: Path) -> TensorRef:
+    """A tiled entry's reference; a DCP tensor saved whole as a strided view is a view,
+    gathered as a ``.pt`` file's views are."""
+    size = nbytes(e.dtype, math.prod(e.shape))
+    strides = getattr(e, "strides", None)  # ZeRO's entries have none
+    if strides is not None:
+        return TensorRef(e.name, e.dtype, e.shape, e.tiles[0].path, e.tiles[0].start, e.tiles[0].start + size, strides)
+    return TensorRef(e.name, e.dtype, e.shape, e.tiles[0].path if e.tiles else root, 0, size, None, e.tiles)
+
+
+def not_empty(ckpt: Checkpoint, what: str) -> Checkpoint:
+    """A training-format source (DCP, Automodel, ZeRO) that yields no tensor is an error, never an
+    empty output: its notices say why (non-tensor items only, flatten_state_dict=False)."""
+    if not ckpt.tensors:
+        why = "; ".join(ckpt.notices)
+        raise CheckpointError(f"no tensors in this {what} checkpoint" + (f" ({why})" if why else ""), ckpt.root)
+    return ckpt

@@ -21,6 +21,8 @@ from pathlib import Path
 from streamck.dtypes import BITS, TORCH
 from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import Header, TensorRef
+from streamck.source.sniff import SAMPLE, looks_like
+from streamck.source.torchzip_keys import select
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
 MAX_DEPTH = 100  # dicts and lists nested deeper are hostile (or cyclic), not a state dict
@@ -84,6 +86,40 @@ def _rebuild_parameter(data, requires_grad=False, hooks=None, state=None):
     return data
 
 
+class _PlainType:
+    """``torch.Tensor`` or ``torch.nn.Parameter`` named as a tensor's type: a marker, never called."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+_PLAIN_TYPES = {("torch", "Tensor"): _PlainType("Tensor"), ("torch.nn.parameter", "Parameter"): _PlainType("Parameter")}
+_PLAIN_VALUES = (type(None), bool, int, float, str)
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    """A plain tensor that carries Python attributes (torch's FSDP full state dict sets
+    ``_has_been_cloned`` on each): the tensor, its attributes dropped. Only a plain tensor or
+    parameter rebuilt by the tensor rebuilders, with a dict of plain values (or torch's
+    ``(dict, slots)`` pair of them); a subclass (DTensor…) is refused before it is named."""
+    if func not in (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter) or not isinstance(new_type, _PlainType):
+        raise pickle.UnpicklingError("a tensor subclass, not a plain tensor with attributes")
+    if not isinstance(args, tuple):
+        raise pickle.UnpicklingError("tensor rebuilt from arguments that are not a tuple")
+    tensor = func(*args)
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    for part in parts:
+        if part is not None and not (isinstance(part, dict) and _plain(part)):
+            raise pickle.UnpicklingError(f"tensor attributes {part!r:.60} are not a dict of plain values")
+    return tensor
+
+
+def _plain(attrs: dict) -> bool:
+    return all(type(k) is str and type(v) in _PLAIN_VALUES for k, v in attrs.items())
+
+
 class _WeightsOnly(pickle.Unpickler):
     def __init__(self, data: bytes):
         import io
@@ -103,6 +139,10 @@ class _WeightsOnly(pickle.Unpickler):
             }.get(name)
             if fn is not None:
                 return fn
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type_v2
+        if (module, name) in _PLAIN_TYPES:
+            return _PLAIN_TYPES[module, name]
         if module == "torch" and name in STORAGE_DTYPES:
             return STORAGE_DTYPES[name]
         if module == "torch" and name in TORCH_DTYPES:
@@ -186,7 +226,7 @@ def load_archive(
     records = {i.filename: i for i in z.infolist()}
     pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") == 1), None)
     if pkl is None:
-        raise CheckpointError("zip archive without a data.pkl: not a torch checkpoint", path)
+        raise CheckpointError("is a zip archive without a data.pkl: not a torch checkpoint, nor safetensors", path)
     prefix = pkl[: -len("data.pkl")]
     if records[pkl].file_size > MAX_PICKLE:
         raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
@@ -219,7 +259,11 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"PK\x03\x04":
-                raise CheckpointError(f"not a zip archive: a legacy torch file? {LEGACY_HINT}", path)
+                f.seek(0)
+                what = looks_like(f.read(SAMPLE))
+                if what is None or what.startswith("a pickle"):
+                    raise CheckpointError(f"not a zip archive: a legacy torch file? {LEGACY_HINT}", path)
+                raise CheckpointError(f"is not a torch checkpoint (a zip archive): it looks like {what}", path)
             obj, storages, records, prefix = load_archive(f, path)
             if not isinstance(obj, dict):
                 what = _describe(obj) if isinstance(obj, _Lazy | _Storage) else f"a {type(obj).__name__}"
@@ -228,7 +272,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None
     notices = [] if notices is None else notices
-    leaves = _flatten(_select(obj, key, path, notices), path)
+    leaves = _flatten(select(obj, key, path, notices, lambda v: _flatten(v, path), _Lazy), path)
     tensors = [_ref(n, v, starts[v.storage.key], path) for n, v in leaves.items() if isinstance(v, _Lazy)]
     skipped = [n for n, v in leaves.items() if not isinstance(v, _Lazy)]  # step counters, hyperparameters
     if skipped:
@@ -253,29 +297,6 @@ def _flatten(obj: dict | list | tuple, path: Path, prefix: str = "", out: dict |
         else:
             out[name] = v
     return out
-
-
-def _select(obj: dict, key: str | None, path: Path, notices: list[str]) -> dict:
-    """The dict whose tensors are read: ``obj[key]``; the only top-level dict holding tensors
-    when none sits at the top (said in ``notices``, with what is left out); else ``obj``."""
-    if key is not None:
-        if not isinstance(obj.get(key), dict):
-            dicts = [repr(k) for k, v in obj.items() if isinstance(v, dict)]
-            raise CheckpointError(f"no dict under key {key!r}; top-level dicts: {listing(dicts) or 'none'}", path)
-        return obj[key]
-    holders = [k for k, v in obj.items() if isinstance(v, dict) and _has_tensor(v, path)]
-    if len(holders) != 1 or any(isinstance(v, _Lazy) for v in obj.values()):
-        return obj
-    rest = {k: v for k, v in obj.items() if k != holders[0]}
-    dropped = sum(isinstance(v, _Lazy) for v in _flatten(rest, path).values())
-    left = f"; left out: {listing([str(k) for k in rest])}" if rest else ""
-    left += f" (tensors there: {dropped})" if dropped else ""
-    notices.append(f"{path.name}: read the tensors under {holders[0]!r}, the only dict holding any (see --key){left}")
-    return obj[holders[0]]
-
-
-def _has_tensor(obj: dict, path: Path) -> bool:
-    return any(isinstance(v, _Lazy) for v in _flatten(obj, path).values())
 
 
 def _ref(name: str, t: _Lazy, where: tuple[int, int], path: Path) -> TensorRef:

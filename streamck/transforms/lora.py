@@ -35,7 +35,6 @@ def merge_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
     return row_blocks(rows, cols * 4, MERGE_CHUNK)
 
 
-
 def copy_blocks(ref: TensorRef) -> Iterator[tuple[int, int]]:
     """(elements, bytes) of each block a saved copy is read in: merge_blocks over its first axis."""
     rows = ref.shape[0] if ref.shape else 1
@@ -43,7 +42,6 @@ def copy_blocks(ref: TensorRef) -> Iterator[tuple[int, int]]:
     size = ref.nbytes // max(ref.numel, 1)
     for start, end in merge_blocks(rows, cols):
         yield (end - start) * cols, (end - start) * cols * size
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,5 +77,3 @@ class LoraMerge:
 
     def origin(self, source: TensorRef) -> TensorRef:
         return self.b if self.kind == "copy" else source  # a saved copy's bytes are the adapter's
-
-

@@ -152,7 +152,7 @@ def _refuse_foreign(final: Path, writes: Iterable[str]) -> None:
     if foreign:
         raise OutputError(
             f"holds files that are not part of an earlier export: {listing(foreign)}; "
-            "--force replaces only weights and the files this output writes (move them or pick another directory)",
+            "{force} replaces only weights and the files this output writes (move them or pick another directory)",
             final,
         )
 
@@ -191,7 +191,7 @@ def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool
             return
         _refuse_foreign(final, writes)
     if not force:
-        raise OutputError("already exists; pass --force to replace it", final)
+        raise OutputError("already exists; pass {force} to replace it", final)
 
 
 @contextmanager
@@ -237,13 +237,13 @@ def _commit(tmp: Path, final: Path, is_dir: bool, force: bool) -> None:
         try:
             os.link(tmp, final)  # unlike rename, never replaces what a racing run put there
         except FileExistsError:
-            raise OutputError("appeared while writing (another run?); pass --force to replace it", final) from None
+            raise OutputError("appeared while writing (another run?); pass {force} to replace it", final) from None
         tmp.unlink()
         return
     if final.is_dir() and not final.is_symlink():
         # An existing directory is filled, never swapped: it may be a shell's working directory or a mount point.
         if not force and any(final.iterdir()):
-            raise OutputError("appeared while writing (another run?); pass --force to replace it", final)
+            raise OutputError("appeared while writing (another run?); pass {force} to replace it", final)
         _merge(tmp, final)
         return
     try:
@@ -252,7 +252,7 @@ def _commit(tmp: Path, final: Path, is_dir: bool, force: bool) -> None:
         if force and final.is_dir() and not final.is_symlink():  # made meanwhile (a concurrent --part)
             _merge(tmp, final)
             return
-        raise OutputError("appeared while writing (another run?); pass --force to replace it", final) from None
+        raise OutputError("appeared while writing (another run?); pass {force} to replace it", final) from None
 
 
 def _merge(tmp: Path, final: Path) -> None:

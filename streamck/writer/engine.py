@@ -29,7 +29,8 @@ from streamck.writer.layout import (
     plan_shards,
 )
 from streamck.writer.parts import assign, check_directory
-from streamck.writer.shardwriter import Progress, ShardWriter, Syncer, Workers
+from streamck.writer.progress import Silent, reporter
+from streamck.writer.shardwriter import ShardWriter, Syncer, Workers
 from streamck.writer.torchsave import refuse_unsaveable
 from streamck.writer.verify import verify_shard
 
@@ -87,7 +88,7 @@ def write_plan(
     device: str | None = None,
     verify: bool = False,
     chunk: int = CHUNK,
-    progress: bool = False,
+    progress: bool | str | Silent = False,
     format: str | None = None,
     jobs: int = 1,
     part: tuple[int, int] | None = None,
@@ -103,6 +104,9 @@ def write_plan(
     shards at once (threads; the bytes are the same as with one). ``part=(K, N)`` writes
     only part K of N of a directory output's shards, see streamck.writer.parts.
     ``keep_shards`` writes one shard per source file, its tensors in the source's order.
+    ``progress`` shows the write's progress on stderr: ``"bar"`` (or True), ``"log"`` (a line
+    every 10 s, for batch jobs), ``"auto"`` (a bar on a terminal, else log lines), or
+    ``"none"`` (or False), or a reporter of streamck.writer.progress.
 
     Where the output's filesystem can share blocks (XFS with reflink, btrfs…), headers are
     padded so that unchanged tensors lie in step with their source, and their bytes are
@@ -167,9 +171,9 @@ def write_plan(
     sharing = Sharing.probe(out if part is not None else out.parent) if format == "safetensors" else None
     if sharing is not None:
         shards = [line_up(s, sharing, header_align) for s in shards]
-    bar = Progress(plan.total_size, progress)
+    bar = reporter(plan.total_size, progress)
     workers = Workers(jobs, chunk, device, drop_cache, bar, sharing)
-    if any(t.is_cast for t in plan.tensors):
+    if _casts(plan, device):
         _caster(workers.first)  # a missing torch or CUDA device is an error before any file exists
     syncer = Syncer(drop_cache)
     with ExitStack() as stack:
@@ -269,6 +273,12 @@ def _refuse_joining(out: Path, plan: Plan) -> None:
         )
 
 
+def _casts(plan: Plan, device: str | None) -> bool:
+    """Whether the run needs its caster made before writing: it casts, or it names a device,
+    which must be there even when nothing is cast (the run would say nothing of it otherwise)."""
+    return device not in (None, "cpu") or any(t.is_cast for t in plan.tensors)
+
+
 def _caster(writer: ShardWriter) -> None:
     """Make the run's caster now: torch, an optional dependency, may not be installed."""
     try:
@@ -325,7 +335,7 @@ def _to_stdout(
     verify: bool,
     chunk: int,
     max_shard_size: int | None,
-    progress: bool,
+    progress: bool | str | Silent,
 ) -> WriteResult:
     """One safetensors file on stdout, strictly sequential (header first, no seeks)."""
     if max_shard_size is not None or verify or plan.files:
@@ -336,9 +346,9 @@ def _to_stdout(
         raise OutputError("refusing to write a binary checkpoint to a terminal; redirect or pipe it", "-")
     sys.stdout.flush()
     (shard,) = plan_shards(plan, "-", None, header_align)
-    bar = Progress(plan.total_size, progress)
-    writer = ShardWriter(chunk, device, drop_cache=False, progress=bar)
-    if any(t.is_cast for t in plan.tensors):
+    bar = reporter(plan.total_size, progress)
+    writer = ShardWriter(chunk, device, drop_cache=False, progress=bar, started=bar.tensor)
+    if _casts(plan, device):
         _caster(writer)
     try:
         writer.write(shard, fd)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -16,6 +15,7 @@ from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
 from streamck.writer.clone import Sharing, copy_shared, spans
 from streamck.writer.layout import Shard
+from streamck.writer.progress import Silent
 
 _DROP_EVERY = 256 << 20
 WRITEBACK_EVERY = 64 << 20
@@ -61,33 +61,6 @@ class Writeback:
             self.last.result()
 
 
-class Progress:
-    """A tqdm byte counter on stderr, or nothing."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                file=sys.stderr,
-                dynamic_ncols=True,
-                leave=False,
-            )
-
-    def __call__(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 class ShardWriter:
     """Streams shards into fds: header, then each tensor copied, gathered or cast.
 
@@ -103,8 +76,10 @@ class ShardWriter:
         drop_cache: bool,
         progress: Callable[[int], None],
         sharing: Sharing | None = None,
+        started: Callable[[str], None] = lambda name: None,
     ):
         self.reader = Reader(min(chunk, CHUNK))
+        self.started = started  # told each tensor's name as its bytes start (the progress log shows it)
         self.sharing, self.shared = sharing, 0
         self.caster = None
         self.chunk, self.device = chunk, device
@@ -146,6 +121,7 @@ class ShardWriter:
         since_drop = 0
         with Writeback(out, self.progress, self.writeback_pool()) as progress:
             for group, span in spans(shard.tensors, self.sharing):
+                self.started(group[0].name)
                 if span is not None:  # unchanged tensors that continue one another: one run
                     self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
                 elif (t := group[0]).transform is not None:
@@ -181,6 +157,7 @@ class ShardWriter:
 
     def pieces(self, t: OutputTensor) -> Iterator[memoryview]:
         """``t``'s output bytes in bounded pieces: its source's, computed, or cast (on the CPU)."""
+        self.started(t.name)
         if t.transform is not None:
             for view in self.computed(t):
                 self.progress(len(view))
@@ -243,7 +220,7 @@ class Workers:
         chunk: int,
         device: str | None,
         drop_cache: bool,
-        progress: Callable[[int], None],
+        progress: Silent,
         sharing: Sharing | None = None,
     ):
         self.jobs, self._stop = jobs, threading.Event()
@@ -255,7 +232,8 @@ class Workers:
             with lock:
                 progress(n)
 
-        self._make = lambda: ShardWriter(chunk, device, drop_cache, checked if jobs > 1 else progress, sharing)
+        counted = checked if jobs > 1 else progress
+        self._make = lambda: ShardWriter(chunk, device, drop_cache, counted, sharing, progress.tensor)
         self.first = self._make()  # made now, so that a missing caster fails before any file exists
         self.writers = [self.first]
 

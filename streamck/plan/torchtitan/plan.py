@@ -1,4 +1,4 @@
-"""``--plan torchtitan-llama3``: a torchtitan Llama 3 or dense Qwen3 step as a Hugging Face model.
+"""``--plan torchtitan`` (alias ``torchtitan-llama3``): a torchtitan Llama 3, Qwen3 or Qwen3-MoE step as HF.
 
 A torchtitan step (``checkpoint/step-N/``: native DCP, model keys at the top level beside
 ``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state``) becomes what

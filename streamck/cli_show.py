@@ -1,0 +1,70 @@
+"""What the ``streamck`` command prints on stdout: tensor tables, a plan, a run's report."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from streamck.units import human
+
+if TYPE_CHECKING:
+    from streamck.plan import Plan
+    from streamck.source import Checkpoint
+
+
+def shape_str(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+def _files(t, root: Path) -> str:
+    if not t.paths:  # a tensor of no elements read as tiles lies in no file
+        return "-"
+    first = os.path.relpath(t.path, root)
+    return first if len(t.paths) == 1 else f"{first} (+{len(t.paths) - 1} more)"
+
+
+def print_checkpoint(ckpt: Checkpoint, hint: str | None) -> None:
+    """``ls``'s table of every tensor, its totals, and the plan a trainer's checkpoint needs."""
+    rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
+    rows += [
+        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), _files(t, ckpt.root))
+        for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
+    ]
+    table(rows)
+    from streamck.plan.moe.blocks import layout_line
+
+    moe = layout_line({t.name: t.shape for t in ckpt.tensors.values()})
+    if moe:
+        print(moe)
+    print(
+        f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) "
+        f"{'under ' + str(ckpt.root) if ckpt.path.is_dir() else 'in ' + str(ckpt.path)}, {human(ckpt.total_size)} "
+        f"({ckpt.total_size} bytes)"
+    )
+    if hint:
+        print(hint)
+
+
+def print_plan(plan: Plan) -> None:
+    """A dry run's listing: the plan's summary, each output tensor beside its source, totals."""
+    for line in plan.summary:
+        print(line)
+    rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
+    for t in plan.tensors:
+        src = t.transform.origin(t.source) if t.transform is not None else t.source
+        dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
+        dtype += f" {t.transform.label}" if t.transform is not None and t.transform.label else ""
+        rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
+    table(rows)
+    src = plan.source
+    dropped = len(src.tensors) - len(plan.tensors) if src else 0
+    counts = f"{dropped} dropped" if dropped >= 0 else f"from {len(src.tensors)} source tensors"  # experts split
+    print(f"{len(plan.tensors)} tensors ({counts}), {human(plan.total_size)} ({plan.total_size} bytes)")

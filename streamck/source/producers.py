@@ -1,0 +1,54 @@
+"""Which trainer wrote a checkpoint, when its tensor names say so, and the built-in plan that
+turns it into a model a loader reads right: for the hint ``ls`` and a rewrite without
+``--plan`` give. A rewrite that only renames such a checkpoint writes a model that loads and
+is silently wrong (q and k rows still in the trainer's order, layers still stacked), so the
+hint names the plan, never just a rule that drops the optimizer state.
+
+Detection is by tensor names alone (the folder's name says less: ``step-N`` and ``iter_N``
+are also what people call their own exports); the plans check everything else.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+# (what wrote it, what to do instead of renaming it, tensor-name globs that each match some
+# tensor). First match wins: EAGLE-4 drafts hold EAGLE-3's marks too.
+PRODUCERS = (
+    (
+        "a torchtitan MoE step (Qwen3-MoE)",
+        "--plan torchtitan writes a Hugging Face model (renamed alone, experts stay grouped per layer)",
+        ("tok_embeddings.weight", "layers.*.moe.routed_experts.inner_experts.w1_EFD"),
+    ),
+    (
+        "a torchtitan step (Llama 3 / Qwen3)",
+        "--plan torchtitan writes a Hugging Face model (renamed alone, q and k keep torchtitan's row order)",
+        ("tok_embeddings.weight", "layers.*.attention.*wq.weight"),
+    ),
+    (
+        "a Megatron torch_dist checkpoint (GPTModel)",
+        "--plan megatron-gpt writes a Hugging Face model (renamed alone, layers stay stacked, q/k/v interleaved)",
+        ("embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight"),
+    ),
+    (
+        "a NeMo Automodel EAGLE-4 draft",
+        "--plan eagle4 writes the serving layout and config engines load",
+        ("model.fc.weight", "efficient_lm_head.weight"),
+    ),
+    (
+        "a NeMo Automodel EAGLE-3 draft",
+        "--plan eagle3 (vLLM, SGLang) or --plan eagle3-speculators writes the serving layout and config engines load",
+        ("model.fc.weight", "model.layers.0.hidden_norm.weight"),
+    ),
+)
+
+
+def plan_hint(names: Iterable[str]) -> str | None:
+    """The line naming the plan for a checkpoint with tensors ``names``, or None when no
+    producer with a plan is recognised."""
+    names = list(names)
+    for who, advice, marks in PRODUCERS:
+        if all(fnmatch.filter(names, mark) for mark in marks):
+            return f"this looks like {who}: {advice}"
+    return None
