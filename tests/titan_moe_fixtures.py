@@ -129,9 +129,7 @@ def _save_one(name: str, biased: bool, ep: bool, root: Path, rank: int) -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
-    optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop").build(
-        model_parts=[model]
-    )
+    optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop").build(model_parts=[model])
     if biased:
         _load_balancing(model, optimizers)
     torch.manual_seed(1 + rank)
