@@ -109,3 +109,11 @@ def test_expert_count_must_match_config(titan_moe, tmp_path):
     done = _rewrite(case, tmp_path / "out", check=2)
     assert "has shape [4, 32], expected [8, 32] = [E, H] from E = num_experts" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_without_the_plan_a_note_names_it(titan_moe):
+    """A torchtitan MoE step rewritten or listed without --plan names the plan (issue #36's hint)."""
+    from helpers import says_the_plan
+
+    case = titan_moe["qwen3_moe"]
+    says_the_plan(case / "checkpoint" / "step-1", "torchtitan", "--hf-config", case / "config.json")

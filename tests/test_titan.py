@@ -209,4 +209,4 @@ def test_tied_head_differing_after_64_kib_is_refused(tmp_path):
 def test_without_the_plan_a_note_names_it(titan):
     """Issue #36: a torchtitan step rewritten or listed without --plan names the plan."""
     for name in ("llama3", "llama3_v02", "qwen3"):
-        says_the_plan(titan[name] / "checkpoint" / "step-1", PLAN, "--hf-config", titan[name] / "config.json")
+        says_the_plan(titan[name] / "checkpoint" / "step-1", "torchtitan", "--hf-config", titan[name] / "config.json")
