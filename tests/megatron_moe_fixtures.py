@@ -27,12 +27,15 @@ sys.path.insert(0, str(BENCH))
 from megatron_ckpt import ITERATION, SEQ, WORLD, _cuda_stand_ins, _import_megatron  # noqa: E402
 
 # name -> (q/k norms, HF family); every model: 2 layers, hidden 32, 4 heads, 2 groups, head dim 8,
-# 4 experts of hidden 24, top 2, vocab 128.
-MODELS = {"qwen3_moe": (True, "qwen3_moe"), "mixtral": (False, "mixtral")}
+# 4 experts of hidden 24, top 2, vocab 128. Qwen2-MoE adds a qkv bias and a gated shared expert
+# of hidden 16, and routes as its norm_topk_prob=False does: softmax over every expert, then the
+# top 2 (Megatron's moe_router_pre_softmax); the others renormalise the top 2 (softmax over them).
+MODELS = {"qwen3_moe": (True, "qwen3_moe"), "mixtral": (False, "mixtral"), "qwen2_moe": (False, "qwen2_moe")}
+SHARED = 16
 L, H, NH, NKV, D, E, F, TOPK, V = 2, 32, 4, 2, 8, 4, 24, 2, 128
 
 
-def build(qk: bool, ep: int):
+def build(qk: bool, ep: int, family: str):
     import torch.nn.functional as fn
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -44,7 +47,7 @@ def build(qk: bool, ep: int):
         layernorm_epsilon=1e-6, add_bias_linear=False, use_cpu_initialization=True, init_method_std=0.1,
         hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=qk, num_moe_experts=E, moe_ffn_hidden_size=F,
         moe_router_topk=TOPK, expert_model_parallel_size=ep, moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", **_qwen2(family),
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk)
     return GPTModel(
@@ -53,24 +56,36 @@ def build(qk: bool, ep: int):
     )  # fmt: skip
 
 
-def args(qk: bool) -> Namespace:
+def _qwen2(family: str) -> dict:
+    """Qwen2-MoE's extras in TransformerConfig's names (and its routing: see MODELS)."""
+    if family != "qwen2_moe":
+        return {}
+    return dict(add_qkv_bias=True, moe_shared_expert_intermediate_size=SHARED, moe_shared_expert_gate=True,
+                moe_router_pre_softmax=True)  # fmt: skip
+
+
+def args(qk: bool, family: str) -> Namespace:
     """What Megatron's argument parser records for the model (megatron/training/arguments.py names)."""
     import torch
 
-    return Namespace(
+    out = Namespace(
         num_layers=L, hidden_size=H, ffn_hidden_size=64, num_attention_heads=NH, group_query_attention=True,
         num_query_groups=NKV, kv_channels=D, padded_vocab_size=V, vocab_size=V, tensor_model_parallel_size=1,
         expert_model_parallel_size=WORLD, pipeline_model_parallel_size=1, untie_embeddings_and_output_weights=True,
         swiglu=True, normalization="RMSNorm", norm_epsilon=1e-6, add_qkv_bias=False, add_bias_linear=False,
         position_embedding_type="rope", rotary_base=1000000, rotary_interleaved=False, rotary_percent=1.0,
         max_position_embeddings=64, seq_length=SEQ, qk_layernorm=qk, num_experts=E, moe_ffn_hidden_size=F,
-        moe_router_topk=TOPK, moe_grouped_gemm=False, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
-        params_dtype=torch.float32, bf16=False, fp16=False,
+        moe_router_topk=TOPK, moe_grouped_gemm=False, moe_layer_freq=1, moe_router_score_function="softmax",
+        params_dtype=torch.float32, bf16=False, fp16=False, moe_router_pre_softmax=False,
+        moe_shared_expert_intermediate_size=None,
     )  # fmt: skip
+    if family == "qwen2_moe":
+        out.add_qkv_bias, out.moe_shared_expert_intermediate_size, out.moe_router_pre_softmax = True, SHARED, True
+    return out
 
 
 def hf_config(qk: bool, family: str) -> dict:
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
         hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D, num_hidden_layers=L,
@@ -80,6 +95,9 @@ def hf_config(qk: bool, family: str) -> dict:
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(**common, num_experts=E, moe_intermediate_size=F, intermediate_size=64,
                                 norm_topk_prob=True)  # fmt: skip
+    elif family == "qwen2_moe":
+        config = Qwen2MoeConfig(**common, num_experts=E, moe_intermediate_size=F, intermediate_size=64,
+                                shared_expert_intermediate_size=SHARED, norm_topk_prob=False)  # fmt: skip
     else:
         config = MixtralConfig(**common, num_local_experts=E, intermediate_size=F)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
@@ -92,12 +110,12 @@ def _save(name: str, qk: bool, family: str, root: Path, rank: int) -> None:
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(0)
-    model = build(qk, WORLD)
+    model = build(qk, WORLD, family)
     step = root / name / f"iter_{ITERATION:07d}"
     if rank == 0:
         step.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = {"model": model.sharded_state_dict(), "args": args(qk), "iteration": ITERATION,
+    state = {"model": model.sharded_state_dict(), "args": args(qk, family), "iteration": ITERATION,
              "checkpoint_version": 3.0}  # fmt: skip
     dist_checkpointing.save(state, str(step))
     tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))

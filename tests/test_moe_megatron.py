@@ -51,7 +51,7 @@ def megatron_moe(request, tmp_path_factory) -> dict[str, Path]:
     return {d.name: d for d in base.iterdir() if d.is_dir()}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_logits_and_names_match(megatron_moe, tmp_path, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -92,11 +92,17 @@ def _case(src: Path, tmp_path: Path, **config) -> Path:
     "config, message",
     [
         ({"num_experts": 8}, "experts: the config says 8, the checkpoint's args 4"),
-        ({"model_type": "llama"}, "model_type 'llama': MoE checkpoints convert to qwen3_moe, mixtral"),
+        ({"model_type": "llama"}, "model_type 'llama': MoE checkpoints convert to qwen3_moe, qwen2_moe, mixtral"),
+        # Megatron took the softmax over every expert (pre-softmax): renormalising would reweigh them
+        ({"case": "qwen2_moe", "norm_topk_prob": True}, "the config renormalises the top-k weights"),
+        ({"case": "qwen2_moe", "shared_expert_intermediate_size": 8}, "shared expert's hidden size: the config says 8"),
+        ({"case": "qwen2_moe", "model_type": "qwen3_moe"}, "model_type 'qwen3_moe' has q/k norms, this checkpoint has"),
+        ({"num_experts_per_tok": 1}, "num_experts_per_tok is 1, the checkpoint's args route to 2"),
     ],
 )
 def test_refused(megatron_moe, tmp_path, config, message):
-    done = cli("rewrite", _case(megatron_moe["qwen3_moe"], tmp_path, **config), "-o", tmp_path / "out", "--plan",
+    name = config.pop("case", "qwen3_moe")
+    done = cli("rewrite", _case(megatron_moe[name], tmp_path, **config), "-o", tmp_path / "out", "--plan",
                PLAN, check=2)  # fmt: skip
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out").exists()

@@ -33,6 +33,7 @@ from streamck.plan.megatron.layout import (
     MOE_FC1,
     MOE_FC2,
     MOE_ROUTER,
+    MOE_SHARED,
     QK_NORM,
     QKV_BIAS,
     REFUSED_ARGS,
@@ -193,16 +194,18 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
     table = [r for r in table if not (moe and r[1] in DENSE_MLP)]  # MoE layers: experts instead
     if moe:
-        sizes |= moe_sizes(args, config, config_path, norms, step)
+        found = {"q/k norms": norms, "a qkv bias": bias, "a shared expert": MOE_SHARED[0][1] in keys}
+        found["a shared expert gate"] = MOE_SHARED[3][1] in keys
+        sizes |= moe_sizes(args, config, config_path, found, step)
     expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
-    expected |= {MOE_ROUTER[0], MOE_FC1[0], MOE_FC2[0]} if moe else set()
+    expected |= {MOE_ROUTER[0], MOE_FC1[0], MOE_FC2[0], *(r[1] for r in MOE_SHARED if r[1] in keys)} if moe else set()
     compare_keys(expected, keys, f"model tensors do not match a GPTModel ({sizes['L']} layers)", step)
     if config is None:
         config = _hf_config(args, sizes, bias, norms, tied)
     elif not moe:
         _config_fits(config, bias, norms, tied, config_path)
-    elif bias or bool(config.get("tie_word_embeddings")) != tied:
-        raise PlanError("the config's head tying or the checkpoint's qkv bias does not fit an MoE family", step)
+    elif bool(config.get("tie_word_embeddings")) != tied:
+        raise PlanError(f"the config's head tying is not the checkpoint's ({'tied' if tied else 'untied'})", step)
     for _, key, _, exprs in (*TOP, *table, *(() if tied else (HEAD,))):
         hf_export.check(key, keys[key], exprs, sizes, step)
     outputs = _outputs(keys, table, sizes, bool(args.get("rotary_interleaved")), tied, step)
