@@ -114,3 +114,8 @@ def test_missing_expert_rank_refused(megatron_moe, tmp_path):
     done = cli("rewrite", case, "-o", tmp_path / "out", "--plan", PLAN, check=2)
     assert len(done.stderr.strip().splitlines()) == 1 and "__1_0.distcp" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_ls_says_moe(megatron_moe):
+    listed = cli("ls", megatron_moe["mixtral"], check=0).stdout
+    assert "MoE: 4 experts, fused (Megatron's grouped layout, 2 blocks)" in listed

@@ -99,16 +99,30 @@ def test_missing_expert_rank_refused(titan_moe, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_expert_count_must_match_config(titan_moe, tmp_path):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts": 8}, "has shape [4, 32], expected [8, 32] = [E, H] from E = num_experts"),
+        # torchtitan's Qwen3-MoE router renormalises the top-k weights (route_norm=True)
+        ({"norm_topk_prob": False}, "norm_topk_prob must be true"),
+    ],
+)
+def test_config_must_match_the_model(titan_moe, tmp_path, change, message):
     case = tmp_path / "case"
     shutil.copytree(titan_moe["qwen3_moe"], case)
     config = json.loads((case / "config.json").read_text())
-    config["num_experts"] = 8
-    config.pop("num_local_experts", None)
+    if "num_experts" in change:  # transformers writes num_local_experts (num_experts is its alias)
+        config.pop("num_local_experts", None)
+    config.update(change)
     (case / "config.json").write_text(json.dumps(config))
     done = _rewrite(case, tmp_path / "out", check=2)
-    assert "has shape [4, 32], expected [8, 32] = [E, H] from E = num_experts" in done.stderr, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_ls_says_moe(titan_moe):
+    listed = cli("ls", titan_moe["qwen3_moe_ep2"] / "checkpoint" / "step-1", check=0).stdout
+    assert "MoE: 4 experts, fused (torchtitan's grouped layout, 2 blocks)" in listed
 
 
 def test_without_the_plan_a_note_names_it(titan_moe):

@@ -43,12 +43,30 @@ def find_blocks(names: Iterable[str]) -> dict[str, Block]:
     return blocks
 
 
+# Trainers' own grouped experts: name pattern -> (what holds them, the expert axis, layers stacked on axis 0).
+GROUPED = {
+    re.compile(r"(^|\.)moe\.routed_experts\.inner_experts\.w1_EFD$"): ("torchtitan", 0, False),
+    re.compile(r"(^|\.)mlp\.experts\.experts\.linear_fc1\.weight$"): ("Megatron", 1, True),
+}
+
+
+def _grouped_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The ``MoE:`` line for a trainer's grouped experts (torchtitan, Megatron), or None."""
+    for pattern, (who, axis, stacked) in GROUPED.items():
+        found = [shape for name, shape in shapes.items() if pattern.search(name) and len(shape) > axis]
+        if found:
+            counts = "/".join(str(c) for c in sorted({s[axis] for s in found}))
+            blocks = sum(s[0] for s in found) if stacked else len(found)
+            return f"MoE: {counts} experts, fused ({who}'s grouped layout, {blocks} blocks)"
+    return None
+
+
 def layout_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
     """``MoE: 8 experts, fused`` (or ``per-expert``; counts that differ between blocks are all
     listed) for tensors by name and shape; None when there are no experts."""
     blocks = find_blocks(shapes)
     if not blocks:
-        return None
+        return _grouped_line(shapes)
     counts: set[int] = set()
     kinds: set[str] = set()
     for b in blocks.values():

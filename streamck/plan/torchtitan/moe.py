@@ -32,6 +32,9 @@ def moe_sizes(config: dict, kind: str, config_path: Path) -> dict[str, int]:
         if type(value) is not int or value <= 0:
             raise PlanError(f"{key} must be a positive integer, not {value!r}", config_path)
         out[symbol] = value
+    if config.get("norm_topk_prob") is not True:  # else HF weighs the chosen experts otherwise, without a word
+        raise PlanError("norm_topk_prob must be true: torchtitan's Qwen3-MoE renormalises its top-k routing "
+                        "weights (route_norm=True)", config_path)  # fmt: skip
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise PlanError(
             "mlp_only_layers / decoder_sparse_step make dense layers; torchtitan's are all MoE", config_path
