@@ -9,6 +9,8 @@ holds two of the four experts), and saves ``{"model": sharded_state_dict, "args"
 root's ``latest_checkpointed_iteration.txt``, as Megatron's training loop does. Beside each:
 ``config.json``, the Hugging Face config of the family (Qwen3-MoE with q/k norms, Mixtral
 without), and ``oracle.pt``: token ids and the logits of Megatron's own EP=2 forward.
+``qwen3_moe_tp2`` is the Qwen3-MoE model saved at tensor parallel 2 instead (see _save_tp),
+its oracle the forward of megatron-core's own load of it at TP=1.
 
 Stand-ins as bench/megatron_ckpt.py (triton at import, ``torch.cuda`` synchronize/device/RNG
 state); the ``allgather`` token dispatcher, since ``alltoall`` creates a CUDA stream.
@@ -35,7 +37,7 @@ SHARED = 16
 L, H, NH, NKV, D, E, F, TOPK, V = 2, 32, 4, 2, 8, 4, 24, 2, 128
 
 
-def build(qk: bool, ep: int, family: str):
+def build(qk: bool, ep: int, family: str, tp: int = 1):
     import torch.nn.functional as fn
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -48,6 +50,7 @@ def build(qk: bool, ep: int, family: str):
         hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=qk, num_moe_experts=E, moe_ffn_hidden_size=F,
         moe_router_topk=TOPK, expert_model_parallel_size=ep, moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", **_qwen2(family),
+        tensor_model_parallel_size=tp,
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk)
     return GPTModel(
@@ -129,6 +132,63 @@ def _save(name: str, qk: bool, family: str, root: Path, rank: int) -> None:
         torch.save({"tokens": tokens, "logits": logits}, root / name / "oracle.pt")
 
 
+def _save_tp(root: Path, rank: int) -> None:
+    """``qwen3_moe_tp2``: the Qwen3-MoE model at TP=2 (experts' rows split in quarters: each
+    rank's halves of gate and of up), saved as initialised (MoE with TP needs sequence
+    parallelism, whose torch norms refuse the CPU: no forward here; _read_back's is the oracle)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD, expert_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(123)
+    torch.manual_seed(0)
+    model = build(True, 1, "qwen3_moe", tp=WORLD)
+    step = root / "qwen3_moe_tp2" / f"iter_{ITERATION:07d}"
+    if rank == 0:
+        step.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    saved = args(True, "qwen3_moe")
+    saved.tensor_model_parallel_size, saved.expert_model_parallel_size = WORLD, 1
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": saved, "iteration": ITERATION,
+                             "checkpoint_version": 3.0}, str(step))  # fmt: skip
+    if rank == 0:
+        (step.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        (step.parent / "config.json").write_text(json.dumps(hf_config(True, "qwen3_moe"), indent=2))
+
+
+def _read_back(rank: int, root: str, store: str) -> None:
+    """megatron-core's own reader: the TP=2 save loaded into a TP=1, EP=1 model, whose forward
+    is the oracle of ``qwen3_moe_tp2``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _cuda_stand_ins()
+    _import_megatron()
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(123)
+        model = build(True, 1, "qwen3_moe")
+        step = Path(root) / "qwen3_moe_tp2" / f"iter_{ITERATION:07d}"
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step))
+        model.load_state_dict(loaded["model"])
+        tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))
+        positions = torch.arange(SEQ).repeat(2, 1)
+        mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+        with torch.no_grad():
+            logits = model(tokens, positions, mask)
+        torch.save({"tokens": tokens, "logits": logits}, step.parent / "oracle.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def _worker(rank: int, root: str, store: str) -> None:
     import torch
     import torch.distributed as dist
@@ -146,6 +206,8 @@ def _worker(rank: int, root: str, store: str) -> None:
         for name, (qk, family) in MODELS.items():
             _save(name, qk, family, Path(root), rank)
             dist.barrier()
+        _save_tp(Path(root), rank)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -158,7 +220,9 @@ def make(root: Path) -> dict[str, Path]:
     store.unlink(missing_ok=True)
     mp.start_processes(_worker, args=(str(root), str(store)), nprocs=WORLD, start_method="spawn")
     store.unlink(missing_ok=True)
-    return {name: root / name for name in MODELS}
+    mp.start_processes(_read_back, args=(str(root), str(store)), nprocs=1, start_method="spawn")
+    store.unlink(missing_ok=True)
+    return {name: root / name for name in [*MODELS, "qwen3_moe_tp2"]}
 
 
 if __name__ == "__main__":

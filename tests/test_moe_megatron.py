@@ -1,7 +1,8 @@
 """``--plan megatron-gpt`` on MoE GPTModel checkpoints megatron-core 0.19.2's own
 ``dist_checkpointing.save`` wrote with expert parallelism 2 (SequentialMLP experts, 2 gloo ranks:
-tests/megatron_moe_fixtures.py): Qwen3-MoE and Mixtral, the family from the config beside the
-run. Oracles: megatron-core's own EP=2 forward against transformers loading the output, and
+tests/megatron_moe_fixtures.py): Qwen3-MoE, Mixtral and Qwen2-MoE, the family from the config
+beside the run, and Qwen3-MoE saved at tensor parallel 2. Oracles: megatron-core's own forward
+(EP=2; for TP=2, of its own load at TP=1) against transformers loading the output, and
 transformers' own save_pretrained names for the loaded model."""
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def megatron_moe(request, tmp_path_factory) -> dict[str, Path]:
     return {d.name: d for d in base.iterdir() if d.is_dir()}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_tp2"])
 def test_logits_and_names_match(megatron_moe, tmp_path, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -119,3 +120,15 @@ def test_missing_expert_rank_refused(megatron_moe, tmp_path):
 def test_ls_says_moe(megatron_moe):
     listed = cli("ls", megatron_moe["mixtral"], check=0).stdout
     assert "MoE: 4 experts, fused (Megatron's grouped layout, 2 blocks)" in listed
+
+
+def test_tensor_parallel_save_is_read_in_quarters(megatron_moe):
+    """At TP=2 each expert's linear_fc1 is four chunks (each rank's half of gate, then of up):
+    an output gate or up is read from both ranks' files, exactly its own bytes."""
+    from streamck.api import build_plan
+
+    plan = build_plan(megatron_moe["qwen3_moe_tp2"], plan=PLAN)
+    fc1 = plan.source.tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert {t.sizes for t in fc1.tiles} == {(1, 1, 12, 32)} and len(fc1.tiles) == 2 * 4 * 4
+    up = next(t for t in plan.tensors if t.name == "model.layers.1.mlp.experts.3.up_proj.weight")
+    assert len(up.source.paths) == 2 and sum(r.length for r in up.source.runs()) == up.nbytes
