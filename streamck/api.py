@@ -8,14 +8,14 @@ run from any thread; every failure is a ``StreamckError``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
 from streamck.check.diff import Side
-from streamck.errors import UsageError
+from streamck.errors import PlanError, UsageError
 from streamck.plan import Plan, Rule, Rules
 from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint
@@ -39,6 +39,8 @@ def build_plan(
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
     experts: str = "auto",
+    quantize: str | None = None,
+    quantize_ignore: Sequence[str] = (),
     **read: Any,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
@@ -51,7 +53,10 @@ def build_plan(
     streamck.plan.lora. ``experts`` is how MoE experts come out without a built-in plan:
     ``"auto"`` as save_pretrained writes them (fused runtime tensors split per expert, the
     family from config.json), ``"keep"`` as the source has them, ``"fuse"`` fused as
-    transformers runs them (see streamck.plan.moe).
+    transformers runs them (see streamck.plan.moe). ``quantize`` names a scheme (``"FP8_BLOCK"``) to quantize the
+    output's linear weights to, as llm-compressor's model_free_ptq does, leaving out the
+    modules ``quantize_ignore`` names (``"lm_head"``, ``"re:.*mlp.gate$"``); ``dtype`` on a
+    quantized source dequantizes it (see streamck.plan.quant).
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
@@ -67,23 +72,35 @@ def build_plan(
         raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
     compiled = spec.compile(Rules(rules_from(rules) + extra, dtype), copy_files=copy_files)
-    compiled = _experts(compiled, experts, spec.builtin)
-    if merge_lora is None:
-        return compiled
-    return _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
+    from streamck.plan.moe import apply_experts  # only here: ls and diff do not need it
+
+    compiled = apply_experts(compiled, experts, builtin=spec.builtin)
+    if merge_lora is not None:
+        compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
+    return _quant_steps(compiled, dtype, quantize, quantize_ignore)
 
 
-def _experts(plan: Plan, mode: str, builtin: str | None) -> Plan:
-    """``plan`` with its MoE experts as ``mode`` asks; a built-in plan writes its own layout."""
-    from streamck.plan.moe import MODES, apply_experts
+def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequence[str]) -> Plan:
+    """Dequantize a quantized source on ``--dtype``, or refuse a cast that would drop its scales;
+    then quantize (``--quantize``). See streamck.plan.quant."""
+    from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_kind
+    from streamck.plan.quant.plan import quantize_plan
 
-    if mode not in MODES:
-        raise UsageError(f"experts={mode!r}: one of {', '.join(MODES)}")
-    if builtin is not None:
-        if mode != "auto":
-            raise UsageError(f"--keep-fused and --fuse-experts do not apply to --plan {builtin}")
+    if ignore and scheme is None:
+        raise UsageError("--quantize-ignore applies to --quantize only")
+    if plan.source is not None and quantized_kind(plan) is not None:
+        if scheme is not None:
+            raise PlanError(f"--quantize: the source is already {quantized_kind(plan)}-quantized; dequantize it first")
+        if dtype is not None:
+            return dequantize_plan(plan, dtype)
+        scales = [t.name for t in plan.tensors if t.is_cast and t.name.rpartition(".")[2] in SCALE_NAMES]
+        if scales:
+            raise PlanError(
+                f"the source is {quantized_kind(plan)}-quantized: --cast would change its scales ({scales[0]}, …), "
+                "not its weights; dequantize with --dtype"
+            )
         return plan
-    return apply_experts(plan, mode)
+    return plan if scheme is None else quantize_plan(plan, scheme, list(ignore))
 
 
 def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
@@ -131,6 +148,8 @@ def rewrite(
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
     experts: str = "auto",
+    quantize: str | None = None,
+    quantize_ignore: Sequence[str] = (),
     **read: Any,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
@@ -172,8 +191,12 @@ def rewrite(
         merge_lora_any_base=merge_lora_any_base,
         merge_engine=merge_engine,
         experts=experts,
+        quantize=quantize,
+        quantize_ignore=quantize_ignore,
         **read,
     )
+    if quantize is not None and device not in (None, "cpu"):
+        raise UsageError(f"--quantize with --device {device}: quantizing runs on the CPU only (for now)")
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(
         compiled,

@@ -206,6 +206,20 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--merge-lora-any-base", action="store_true", help="skip the base_model_name_or_path check")
     engines = "torch (the default where installed: PEFT's bits) or numpy (not bit for bit)"
     lora.add_argument("--merge-engine", choices=("torch", "numpy"), help=engines)
+    quant = rw.add_argument_group("quantizing for serving, as llm-compressor's model_free_ptq (needs torch)")
+    quant.add_argument(
+        "--quantize",
+        metavar="SCHEME",
+        help="FP8_DYNAMIC (per-row FP8 scales) or FP8_BLOCK (128x128 blocks); compressed-tensors format, as vLLM "
+        "reads it. --dtype bf16 on a quantized source dequantizes instead",
+    )
+    quant.add_argument(
+        "--quantize-ignore",
+        metavar="PATTERN",
+        action="append",
+        help="a module left unquantized (repeatable): a name, or re:REGEX matched from the start; users normally "
+        "pass lm_head, and 're:.*mlp.gate$' for a MoE router",
+    )
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(
         "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"

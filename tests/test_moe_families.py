@@ -77,6 +77,8 @@ def test_no_config_keeps_fused_with_a_note(tmp_path):
     _equal(load_file(tmp_path / "out" / "model.safetensors"), load_file(src / "model.safetensors"))
     quiet = cli("rewrite", str(src), "-o", str(tmp_path / "kept"), "--keep-fused", check=0)
     assert "config.json" not in quiet.stderr
+    done = cli("rewrite", str(src), "-o", str(tmp_path / "fused"), "--fuse-experts", check=2)
+    assert "--fuse-experts needs the model's config.json" in done.stderr and not (tmp_path / "fused").exists()
 
 
 def _config(src, **changes):

@@ -131,3 +131,9 @@ def test_without_the_plan_a_note_names_it(titan_moe):
 
     case = titan_moe["qwen3_moe"]
     says_the_plan(case / "checkpoint" / "step-1", "torchtitan", "--hf-config", case / "config.json")
+
+
+def test_expert_switches_refused_with_the_plan(titan_moe, tmp_path):
+    done = _rewrite(titan_moe["qwen3_moe"], tmp_path / "out", "--keep-fused", check=2)
+    assert "--keep-fused and --fuse-experts do not apply to --plan torchtitan" in done.stderr
+    assert not (tmp_path / "out").exists()

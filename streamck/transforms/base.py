@@ -11,6 +11,7 @@ from its source's and has no transform is cast (streamck.transforms.cast).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from streamck.source.header import TensorRef
@@ -58,3 +59,34 @@ class Transform(Protocol):
         every call. ``space`` is the caller's dict (one per writer thread) for buffers kept
         from one tensor to the next."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """The output a transform computes, for a transform that reads it as its input (a LoRA
+    merge quantized in the same pass): the name, the source and the dtype it is computed in."""
+
+    name: str
+    source: TensorRef
+    dtype: str
+
+
+class PieceStream:
+    """``readinto`` over a transform's pieces, so that a second transform reads computed bytes
+    in its own blocks as it would read a source's (streamck.source.reader.TensorStream)."""
+
+    def __init__(self, pieces: Iterator[memoryview]):
+        self._pieces, self._left = pieces, memoryview(b"")
+
+    def readinto(self, view: memoryview) -> int:
+        done = 0
+        while done < len(view):
+            if not self._left:
+                nxt = next(self._pieces, None)
+                if nxt is None:
+                    break
+                self._left = memoryview(nxt).cast("B")
+            n = min(len(self._left), len(view) - done)
+            view[done : done + n] = self._left[:n]
+            self._left, done = self._left[n:], done + n
+        return done

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from streamck.errors import PlanError
+from streamck.errors import PlanError, UsageError
 from streamck.plan.compile import OutputTensor, Plan
 from streamck.plan.moe.blocks import layout_line
 from streamck.plan.moe.experts import blocks_of, check_count, check_per_expert, check_router, fuse_block, unfuse_block
@@ -46,12 +46,18 @@ def read_config(plan: Plan) -> tuple[dict | None, Path | None]:
     return config, path
 
 
-def apply_experts(plan: Plan, mode: str = "auto") -> Plan:
+def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None) -> Plan:
     """``plan`` with its MoE experts in the layout ``mode`` asks for (see the module's doc);
-    the plan itself when it has no experts. Raises PlanError for a mode not in MODES, a family
-    with no known layout, or experts that disagree with the config."""
+    the plan itself when it has no experts or comes from the built-in plan ``builtin`` (which
+    writes its own layout). Raises UsageError for a mode not in MODES or one other than auto
+    with a built-in plan; PlanError for a family with no known layout, or experts that
+    disagree with the config."""
     if mode not in MODES:
-        raise PlanError(f"unknown experts mode {mode!r} (known: {', '.join(MODES)})")
+        raise UsageError(f"experts={mode!r}: one of {', '.join(MODES)}")
+    if builtin is not None:
+        if mode != "auto":
+            raise UsageError(f"--keep-fused and --fuse-experts do not apply to --plan {builtin}")
+        return plan
     blocks = blocks_of(plan)
     if not blocks:
         return plan

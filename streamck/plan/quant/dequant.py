@@ -1,0 +1,137 @@
+"""``--dtype`` on an FP8-quantized source: its weights dequantized as transformers 5.19 loads them
+(streamck.transforms.dequantize), their scales dropped, ``quantization_config`` removed.
+
+Two layouts are read: DeepSeek-V3's (``quant_method: fp8``: ``<m>.weight`` E4M3 beside
+``<m>.weight_scale_inv``, one float32 scale per ``weight_block_size`` block, 128×128) and
+compressed-tensors' FP8 (``<m>.weight`` E4M3 beside ``<m>.weight_scale``: per row, per tensor or
+per block). Packed FP4 (``weight_packed``) and anything else quantized is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from streamck.errors import PlanError, listing
+from streamck.plan.compile import OutputTensor, Plan
+from streamck.transforms.dequantize import Fp8Dequant
+
+# scale suffix -> the layout it marks
+SCALES = {"weight_scale_inv": "fp8", "weight_scale": "compressed-tensors"}
+PACKED = ("weight_packed", "weight_global_scale", "weight_zero_point")
+# Activation scales of a static scheme: meaningless once the weights are floats (transformers drops them too).
+ACTIVATION = ("input_scale", "activation_scale", "output_scale")
+SCALE_NAMES = (*SCALES, *PACKED, *ACTIVATION)
+
+
+def _config(plan: Plan) -> dict:
+    data = plan.side_files.get("config.json")
+    if data is None and plan.source is not None and not plan.source.path.is_file():
+        data = (plan.source.side_root or plan.source.root) / "config.json"
+    try:
+        loaded = json.loads(data if isinstance(data, bytes) else Path(data).read_bytes()) if data else {}
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def quantized_kind(plan: Plan) -> str | None:
+    """ "fp8" (DeepSeek-V3 layout), "compressed-tensors", or None for a source that is not quantized."""
+    qc = _config(plan).get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    names = {ref.name.rpartition(".")[2] for ref in plan.source.tensors.values()}
+    if method == "fp8" or "weight_scale_inv" in names:
+        return "fp8"
+    if method is not None or names & {"weight_scale", *PACKED}:
+        return str(method or "compressed-tensors")
+    return None
+
+
+def _block(plan: Plan, kind: str) -> tuple[int, int] | None:
+    """The scale block of a grid-scaled layout (DeepSeek's weight_block_size; compressed-tensors'
+    block_structure), or None where the scales are per row or per tensor."""
+    qc = _config(plan).get("quantization_config") or {}
+    if kind == "fp8":
+        size = qc.get("weight_block_size") or [128, 128]
+        return (int(size[0]), int(size[1]))
+    formats = {g.get("format", qc.get("format")) for g in (qc.get("config_groups") or {}).values()} | {qc.get("format")}
+    formats.discard(None)
+    unknown = formats - {"float-quantized", "naive-quantized"}
+    if unknown:
+        raise PlanError(
+            f"dequantizing {', '.join(sorted(unknown))} is not supported (FP8 only); drop --dtype to copy it as is"
+        )
+    blocks = {
+        tuple(g["weights"]["block_structure"])
+        for g in qc.get("config_groups", {}).values()
+        if (g.get("weights") or {}).get("block_structure")
+    }
+    if len(blocks) > 1:
+        raise PlanError(f"several block sizes in quantization_config ({sorted(blocks)}); not supported")
+    return blocks.pop() if blocks else None
+
+
+def dequantize_plan(plan: Plan, dtype: str) -> Plan:
+    """``plan`` (compiled with ``--dtype dtype``) with every FP8 weight dequantized into ``dtype``,
+    its scales and activation scales dropped, and ``quantization_config`` out of config.json.
+    Raises PlanError for a layout it cannot dequantize (nothing is approximated)."""
+    kind = quantized_kind(plan)
+    if kind not in ("fp8", "compressed-tensors"):
+        raise PlanError(f"the source is {kind}-quantized; dequantizing it is not supported (FP8 only)")
+    block = _block(plan, kind)
+    by_name = {t.name: t for t in plan.tensors}
+    packed = [n for n in by_name if n.rpartition(".")[2] in PACKED]
+    if packed:
+        raise PlanError(f"packed FP4 weights ({listing(packed, 3)}): dequantizing them is not supported yet")
+    out_dtype = plan_dtype(plan, dtype)
+    tensors, used = [], set()
+    for t in plan.tensors:
+        module, _, param = t.name.rpartition(".")
+        if param in ACTIVATION or param in SCALES:
+            continue
+        if t.source.dtype != "F8_E4M3":
+            tensors.append(t)
+            continue
+        suffix = "weight_scale_inv" if kind == "fp8" else "weight_scale"
+        scale = by_name.get(f"{module}.{suffix}")
+        if param != "weight" or scale is None or len(t.shape) != 2:
+            raise PlanError(
+                f"{t.name} is {t.source.dtype}{list(t.shape)} without a {suffix} beside it; cannot dequantize"
+            )
+        used.add(scale.name)
+        grid = block if (len(scale.shape) == 2 and scale.shape[1] > 1) or kind == "fp8" else None
+        _check_grid(t, scale, grid)
+        tensors.append(
+            OutputTensor(t.name, t.source, out_dtype, transform=Fp8Dequant(scale.source, kind, grid or (1, 1)))
+        )
+    stray = [n for n in by_name if n.rpartition(".")[2] in SCALES and n not in used]
+    if stray:
+        raise PlanError(f"scales without an FP8 weight beside them: {listing(stray, 3)}")
+    side = dict(plan.side_files)
+    config = _config(plan)
+    summary = [f"dequantizing {len(used)} FP8 weights ({kind}) to {out_dtype}, as transformers loads them"]
+    if "config.json" in side and "quantization_config" in config:
+        del config["quantization_config"]
+        side["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+        summary.append("config.json: quantization_config removed")
+    return replace(plan, tensors=tensors, side_files=side, summary=[*plan.summary, *summary])
+
+
+def plan_dtype(plan: Plan, dtype: str) -> str:
+    """The dtype the rules cast floats to (``--dtype``), as the plan spells it."""
+    from streamck.plan.rules import Rules
+
+    return Rules((), dtype).dtype or dtype
+
+
+def _check_grid(t: OutputTensor, scale: OutputTensor, grid: tuple[int, int] | None) -> None:
+    rows, cols = t.shape
+    if grid is None:
+        want = [(rows, 1), (1,), (1, 1)]
+    else:
+        want = [(-(-rows // grid[0]), -(-cols // grid[1]))]
+    if tuple(scale.source.shape) not in want:
+        raise PlanError(
+            f"{scale.name} is {list(scale.source.shape)}; for {t.name} {list(t.shape)} expected {list(want[0])}"
+        )

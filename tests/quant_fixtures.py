@@ -1,0 +1,52 @@
+"""The quantization tests' shared fixtures: bases and oracle outputs, built once per driver version."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import built_once
+
+HERE = Path(__file__).parent
+DRIVER = HERE / "quant_oracles.py"
+
+
+def run_oracle(*args) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    done = subprocess.run([sys.executable, str(DRIVER), *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"quant_oracles.py {args[0]} failed:\n{done.stderr[-6000:]}")
+
+
+# (case name, base, scheme, ignore entries) that model_free_ptq is run on once
+PTQ_CASES = [
+    ("llama-FP8_DYNAMIC", "llama", "FP8_DYNAMIC", ("lm_head",)),
+    ("llama-FP8_BLOCK", "llama", "FP8_BLOCK", ("lm_head",)),
+    ("sharded-FP8_BLOCK", "llama-sharded", "FP8_BLOCK", ("lm_head", "model.embed_tokens")),
+    ("qwen3moe-FP8_DYNAMIC", "qwen3moe", "FP8_DYNAMIC", ("lm_head", "re:.*mlp.gate$")),
+    ("qwen3moe-FP8_BLOCK", "qwen3moe", "FP8_BLOCK", ("lm_head",)),
+    ("ct-FP8_DYNAMIC", "llama", "FP8_DYNAMIC", ("lm_head", "model.embed_tokens")),
+]
+
+
+@pytest.fixture(scope="session")
+def quant(request, tmp_path_factory) -> Path:
+    """A folder holding the bases (llama, llama-sharded, qwen3moe), model_free_ptq's outputs
+    (PTQ_CASES, by case name) and a DeepSeek-layout FP8 llama (ds-fp8)."""
+    pytest.importorskip("llmcompressor", reason="llmcompressor==0.14.0.1 (scripts/test installs it)")
+    digest = hashlib.sha256(DRIVER.read_bytes() + repr(PTQ_CASES).encode()).hexdigest()[:12]
+    cache = getattr(request.config, "cache", None)
+    root = Path(cache.mkdir("streamck-quant")) if cache is not None else tmp_path_factory.mktemp("quant")
+
+    def build(tmp: Path) -> None:
+        run_oracle("bases", tmp)
+        for case, base, scheme, ignore in PTQ_CASES:
+            run_oracle("ptq", tmp / base, tmp / case, scheme, *ignore)
+        run_oracle("fp8", tmp / "llama384", tmp / "ds-fp8")
+
+    return built_once(root / f"quant-{digest}", build)

@@ -1,0 +1,77 @@
+"""The producers and oracles tests/test_quantize.py and test_dequantize.py compare against, run in a
+child (llm-compressor's import alone is ~0.5 GiB and installs loggers):
+
+    bases OUT                  tiny Llama (one file, 3 shards, and 128-wide) and Qwen3-MoE, bf16, by transformers
+    ptq SRC OUT SCHEME [IGN..] llm-compressor 0.14.0.1's model_free_ptq on the CPU
+    fp8 SRC OUT                a DeepSeek-V3-layout FP8 checkpoint, by transformers' FineGrainedFP8
+    load SRC DTYPE OUT         the weights transformers loads from a quantized SRC (dequantizing), saved
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def bases(out: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    # 320 is no multiple of 128: FP8_BLOCK pads the last tiles (rows of gate/up, columns of down).
+    llama = LlamaConfig(hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(llama).to(torch.bfloat16)
+    with torch.no_grad():  # a zero row and a zero tile: their scales are the dtype's epsilon
+        model.model.layers[0].self_attn.o_proj.weight[:128, :128] = 0
+    model.save_pretrained(f"{out}/llama")
+    model.save_pretrained(f"{out}/llama-sharded", max_shard_size="600KB")
+    # transformers' FP8 dequantizer refuses a shape that is no multiple of its scale grid: this one is.
+    LlamaForCausalLM(llama.__class__(**{**llama.to_dict(), "intermediate_size": 384})).to(
+        torch.bfloat16
+    ).save_pretrained(f"{out}/llama384")
+    moe = Qwen3MoeConfig(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, num_experts=4,
+                         num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    Qwen3MoeForCausalLM(moe).to(torch.bfloat16).save_pretrained(f"{out}/qwen3moe")
+
+
+def ptq(src: str, out: str, scheme: str, *ignore: str) -> None:
+    import safetensors.torch
+    from llmcompressor.entrypoints import model_free as mf
+
+    save = safetensors.torch.save_file
+    # Patched: FP8_BLOCK truncates a padded tile column with a slice, and save_file refuses the
+    # non-contiguous tensor (model_free_ptq crashes on any width that is no multiple of 128).
+    # The bytes are the slice's; only their layout in memory is made contiguous.
+    mf.save_file = lambda tensors, path, **kw: save({k: v.contiguous() for k, v in tensors.items()}, path, **kw)
+    mf.model_free_ptq(src, out, scheme=scheme, ignore=list(ignore), device="cpu")
+
+
+def fp8(src: str, out: str) -> None:
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    # Patched: the quantizer refuses to run without a GPU; its quantization itself runs on the CPU.
+    quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    config = FineGrainedFP8Config(weight_block_size=(128, 128))
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+
+
+def load(src: str, dtype: str, out: str) -> None:
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    method = json.load(open(f"{src}/config.json"))["quantization_config"]["quant_method"]
+    config = FineGrainedFP8Config(dequantize=True) if method == "fp8" else CompressedTensorsConfig(run_compressed=False)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=getattr(torch, dtype))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
+
+
+if __name__ == "__main__":
+    {"bases": bases, "ptq": ptq, "fp8": fp8, "load": load}[sys.argv[1]](*sys.argv[2:])
