@@ -9,6 +9,7 @@
     python bench/run.py clone                # on a reflink XFS loop image (root), 2 and 16 GiB
     python bench/run.py titan megatron       # torchtitan / Megatron checkpoints -> Hugging Face (156 MiB models)
     python bench/run.py lora --size 1GiB     # --merge-lora vs PEFT's merge_and_unload (needs peft)
+    python bench/run.py moe                  # FSDP2 save of a Qwen3-MoE (fused experts) -> per-expert HF
     python bench/run.py verl --size 1GiB     # verl FSDP actor -> bf16 safetensors vs verl's merger (its venv)
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
@@ -613,6 +614,44 @@ def case_fsdp(a: argparse.Namespace, tmp: Path) -> str:
         f"{_dir_bytes(small / 'pytorch_model_fsdp_0') / 2**30:.2f} GiB "
         f"vs {mib(runs['streamck rewrite checkpoint-N'].peak)} at {data / 2**30:.2f} GiB."
         + chart(a, runs, "fsdp", f"merging a {data / 2**30:.1f} GiB FSDP checkpoint: RSS over time")
+    )
+
+
+@case
+def case_moe(a: argparse.Namespace, tmp: Path) -> str:
+    """FSDP2 dcp.save of a Qwen3-MoE (fused experts) -> per-expert HF: load + save_pretrained vs streamck."""
+    from moe_ckpt import make_moe
+
+    big, small = make_moe(tmp / "big", 16), make_moe(tmp / "small", 4)
+    data = _dir_bytes(big)
+    script = str(HERE / "moe_ckpt.py")
+    contenders = {
+        "cp -r + sync (the DCP save)": cp_fsync(big),
+        "dcp_to_torch_save + load_state_dict + save_pretrained": lambda o: [PY, script, "route", str(big), str(o)],
+        "streamck rewrite (per expert)": lambda o: streamck("rewrite", str(big), "-o", str(o), "-q"),
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle, (big,))
+    # The figures count only if both wrote the same tensors, bit for bit.
+    for label, o in (("dcp_to_torch_save + load_state_dict + save_pretrained", tmp / "r"),
+                     ("streamck rewrite (per expert)", tmp / "s")):  # fmt: skip
+        subprocess.run(contenders[label](o), check=True, capture_output=True)
+    subprocess.run(streamck("diff", str(tmp / "r"), str(tmp / "s"), "--data"), check=True, capture_output=True)
+    _, s_small = run_child(streamck("rewrite", str(small), "-o", str(out), "-q"), a.settle)
+    shutil.rmtree(out)
+    fused = 16 * 4096 * 2048 * 4
+    return (
+        f"Checkpoint: `dcp.save(model.state_dict())` of a transformers Qwen3-MoE (2 layers, hidden 2048, 16 "
+        f"experts of hidden 2048, F32) sharded by FSDP2 `fully_shard` on 2 gloo ranks, {data / 2**30:.2f} GiB in "
+        f"2 .distcp files, `config.json` beside (bench/moe_ckpt.py); each `experts.gate_up_proj` "
+        f"{fused / 2**20:.0f} MiB, each `experts.down_proj` {fused / 2**21:.0f} MiB. Output: a directory with "
+        "model.safetensors holding per-expert tensors as save_pretrained names them, the same tensors bit for bit "
+        f"from both tools (`streamck diff --data`). {a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "cp -r + sync (the DCP save)", data)
+        + f"\n\nstreamck peak RSS as the fused tensors grow: {mib(s_small)} with 4 experts "
+        f"(gate_up_proj {fused / 4 / 2**20:.0f} MiB, {_dir_bytes(small) / 2**30:.2f} GiB) vs "
+        f"{mib(runs['streamck rewrite (per expert)'].peak)} with 16 ({fused / 2**20:.0f} MiB, {data / 2**30:.2f} GiB)."
+        + chart(a, runs, "moe", f"per-expert export of a {data / 2**30:.1f} GiB MoE FSDP2 save: RSS over time")
     )
 
 

@@ -38,6 +38,7 @@ def build_plan(
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
+    experts: str = "auto",
     quantize: str | None = None,
     quantize_ignore: Sequence[str] = (),
     **read: Any,
@@ -49,7 +50,10 @@ def build_plan(
     ``merge_lora`` names a PEFT LoRA adapter folder to merge in as PEFT's merge_and_unload
     does (``safe_merge`` as there; ``merge_lora_any_base`` skips the check that it was trained
     on this base; ``merge_engine="numpy"`` merges without torch, not bit for bit), see
-    streamck.plan.lora. ``quantize`` names a scheme (``"FP8_BLOCK"``) to quantize the
+    streamck.plan.lora. ``experts`` is how MoE experts come out without a built-in plan:
+    ``"auto"`` as save_pretrained writes them (fused runtime tensors split per expert, the
+    family from config.json), ``"keep"`` as the source has them, ``"fuse"`` fused as
+    transformers runs them (see streamck.plan.moe). ``quantize`` names a scheme (``"FP8_BLOCK"``) to quantize the
     output's linear weights to, as llm-compressor's model_free_ptq does, leaving out the
     modules ``quantize_ignore`` names (``"lm_head"``, ``"re:.*mlp.gate$"``); ``dtype`` on a
     quantized source dequantizes it (see streamck.plan.quant).
@@ -68,6 +72,9 @@ def build_plan(
         raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
     compiled = spec.compile(Rules(rules_from(rules) + extra, dtype), copy_files=copy_files)
+    from streamck.plan.moe import apply_experts  # only here: ls and diff do not need it
+
+    compiled = apply_experts(compiled, experts, builtin=spec.builtin)
     if merge_lora is not None:
         compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
     return _quant_steps(compiled, dtype, quantize, quantize_ignore)
@@ -140,24 +147,25 @@ def rewrite(
     safe_merge: bool = False,
     merge_lora_any_base: bool = False,
     merge_engine: str | None = None,
+    experts: str = "auto",
     quantize: str | None = None,
     quantize_ignore: Sequence[str] = (),
     **read: Any,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
 
-    ``source`` and ``read`` say what is read, as build_plan takes them (a SourceSpec's
-    fields: ``plan`` is a built-in plan name such as ``"eagle4"`` or a TOML plan file whose
-    rules run first; ``step``, ``key``, ``zero``, ``keep_tied`` choose what a run root, a
-    torch pickle, a DCP checkpoint (``key="model"``: the weights of a model + optimizer save)
-    or a DeepSpeed checkpoint is read as; ``hf_config``, ``verifier``, ``aux_layer_ids`` are
-    the built-in plans' options). ``rules`` take the plan file's shape
-    (``{"strip_prefix": "model."}``, applied in order) or Rule objects; ``dtype`` casts every
-    float tensor and ``casts`` maps globs to dtypes (winning over ``dtype``); the LoRA
-    options are build_plan's. ``max_shard_size`` is bytes or a size like ``"5GB"``;
-    ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/``.pth`` output name
-    does too); ``jobs`` writes that many shards at once; ``part="K/N"`` writes only part K of
-    N of the shards (see streamck.writer.parts); ``keep_shards`` writes one file per source
+    ``source`` and ``read`` say what is read, as build_plan takes them (a SourceSpec's fields:
+    ``plan`` is a built-in plan name such as ``"eagle4"`` or a TOML plan file whose rules run
+    first; ``step``, ``key``, ``zero``, ``keep_tied`` choose what a run root, a torch pickle, a
+    DCP checkpoint (``key="model"``: the weights of a model + optimizer save) or a DeepSpeed
+    checkpoint is read as; ``hf_config``, ``verifier``, ``aux_layer_ids`` are the built-in
+    plans' options). ``rules`` take the plan file's shape (``{"strip_prefix": "model."}``,
+    applied in order) or Rule objects; ``dtype`` casts every float tensor and ``casts`` maps
+    globs to dtypes (winning over ``dtype``); the LoRA options and ``experts`` (MoE: ``"auto"``,
+    ``"keep"``, ``"fuse"``) are build_plan's. ``max_shard_size`` is bytes or a size like
+    ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/``.pth`` output
+    name does too); ``jobs`` writes that many shards at once; ``part="K/N"`` writes only part K
+    of N of the shards (see streamck.writer.parts); ``keep_shards`` writes one file per source
     file, tensors in the source's order, so that where the filesystem can share blocks (XFS
     reflink, btrfs) a rename shares them all (``result.shared`` bytes; see
     streamck.writer.clone). Memory stays near one chunk (per job).
@@ -182,6 +190,7 @@ def rewrite(
         safe_merge=safe_merge,
         merge_lora_any_base=merge_lora_any_base,
         merge_engine=merge_engine,
+        experts=experts,
         quantize=quantize,
         quantize_ignore=quantize_ignore,
         **read,

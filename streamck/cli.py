@@ -95,6 +95,7 @@ def _compile(args: argparse.Namespace):
         safe_merge=args.safe_merge,
         merge_lora_any_base=args.merge_lora_any_base,
         merge_engine=args.merge_engine,
+        experts=args.experts,
         quantize=args.quantize,
         quantize_ignore=args.quantize_ignore or (),
     )

@@ -47,13 +47,13 @@ def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None
     )
     group.add_argument(
         "--plan",
-        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan-llama3, megatron-gpt, olmo2) or a TOML "
+        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan, megatron-gpt, olmo2) or a TOML "
         "plan file (its rules come first); ls, diff and hash then show what the plan would write",
     )
     group.add_argument(
         "--hf-config",
         metavar="FILE",
-        help="with --plan torchtitan-llama3, megatron-gpt or olmo2: the model's Hugging Face config.json (its sizes; "
+        help="with --plan torchtitan, megatron-gpt or olmo2: the model's Hugging Face config.json (its sizes; "
         "written beside the weights), over a config.json beside the step",
     )
     group.add_argument(
@@ -121,7 +121,7 @@ EXIT_STATUS = """exit status:
 REWRITE_EXAMPLES = """examples:
   streamck rewrite ckpt/ -o out/ --strip-prefix model. --dtype bf16
       rename and cast a Hugging Face checkpoint into out/ (config and tokenizer copied along)
-  streamck rewrite run/ --step latest --plan torchtitan-llama3 --hf-config config.json -o hf/
+  streamck rewrite run/ --step latest --plan torchtitan --hf-config config.json -o hf/
       a trainer's step as a Hugging Face model (see ls run/ for the plan to use)
   streamck rewrite big/ -o out/ --max-shard-size 5GB --progress log --dry-run
       print the plan, write nothing; drop --dry-run to write it, a progress line every 10 s"""
@@ -183,6 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="cast matching floating tensors; wins over --dtype, last match wins",
     )
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
+    moe = rw.add_argument_group("Mixture-of-Experts (default: per expert, as save_pretrained writes them)")
+    moe_way = moe.add_mutually_exclusive_group()
+    moe_way.add_argument(
+        "--keep-fused",
+        dest="experts",
+        action="store_const",
+        const="keep",
+        default="auto",
+        help="write fused runtime experts (experts.gate_up_proj/down_proj) as the trainer saved them",
+    )
+    moe_way.add_argument(
+        "--fuse-experts",
+        dest="experts",
+        action="store_const",
+        const="fuse",
+        help="write per-expert tensors fused, as transformers 5 runs them (needs config.json)",
+    )
     lora = rw.add_argument_group("merging a PEFT LoRA adapter (needs torch)")
     lora.add_argument("--merge-lora", metavar="ADAPTER", help="merge this adapter folder in (as merge_and_unload)")
     lora.add_argument("--safe-merge", action="store_true", help="as PEFT's safe_merge: refuse non-finite results")

@@ -39,6 +39,11 @@ def print_checkpoint(ckpt: Checkpoint, hint: str | None) -> None:
         for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
     table(rows)
+    from streamck.plan.moe.blocks import layout_line
+
+    moe = layout_line({t.name: t.shape for t in ckpt.tensors.values()})
+    if moe:
+        print(moe)
     print(
         f"{len(ckpt.tensors)} tensors in {len(ckpt.files)} file(s) "
         f"{'under ' + str(ckpt.root) if ckpt.path.is_dir() else 'in ' + str(ckpt.path)}, {human(ckpt.total_size)} "
@@ -61,4 +66,5 @@ def print_plan(plan: Plan) -> None:
     table(rows)
     src = plan.source
     dropped = len(src.tensors) - len(plan.tensors) if src else 0
-    print(f"{len(plan.tensors)} tensors ({dropped} dropped), {human(plan.total_size)} ({plan.total_size} bytes)")
+    counts = f"{dropped} dropped" if dropped >= 0 else f"from {len(src.tensors)} source tensors"  # experts split
+    print(f"{len(plan.tensors)} tensors ({counts}), {human(plan.total_size)} ({plan.total_size} bytes)")

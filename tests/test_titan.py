@@ -135,7 +135,7 @@ REFUSED = [
     ("llama3", {"hidden_size": 32, "head_dim": 8}, "tok_embeddings.weight has shape [256, 64], expected [256, 32]"),
     ("llama3", {"num_hidden_layers": 3}, "9 missing: layers.2.attention.qkv_linear.wk.weight"),
     ("llama3", {"num_key_value_heads": 4}, "wk.weight has shape [32, 64], expected [64, 64]"),
-    ("llama3", {"model_type": "mistral"}, "model_type 'mistral': --plan torchtitan-llama3 converts llama, qwen3"),
+    ("llama3", {"model_type": "mistral"}, "model_type 'mistral': --plan torchtitan converts llama, qwen3"),
     ("llama3", {"tie_word_embeddings": True}, "lm_head.weight is not tok_embeddings.weight in this checkpoint"),
     ("llama3", {"intermediate_size": "96"}, "intermediate_size must be a positive integer, not '96'"),
     ("qwen3", {"model_type": "llama"}, "has q_norm/k_norm weights, but the config's model_type is 'llama'"),
@@ -209,4 +209,4 @@ def test_tied_head_differing_after_64_kib_is_refused(tmp_path):
 def test_without_the_plan_a_note_names_it(titan):
     """Issue #36: a torchtitan step rewritten or listed without --plan names the plan."""
     for name in ("llama3", "llama3_v02", "qwen3"):
-        says_the_plan(titan[name] / "checkpoint" / "step-1", PLAN, "--hf-config", titan[name] / "config.json")
+        says_the_plan(titan[name] / "checkpoint" / "step-1", "torchtitan", "--hf-config", titan[name] / "config.json")

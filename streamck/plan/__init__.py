@@ -19,7 +19,8 @@ PLAN_FUNCTIONS = {
     "eagle4": ("streamck.plan.eagle4.plan", "eagle4_plan"),
     "eagle3": ("streamck.plan.eagle3.plan", "eagle3_plan"),
     "eagle3-speculators": ("streamck.plan.eagle3.plan", "eagle3_speculators_plan"),
-    "torchtitan-llama3": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),
+    "torchtitan": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),
+    "torchtitan-llama3": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),  # its first name, kept
     "megatron-gpt": ("streamck.plan.megatron.plan", "megatron_plan"),
     "olmo2": ("streamck.plan.olmo2.plan", "olmo2_plan"),
 }
@@ -47,7 +48,7 @@ VERIFIER_PLANS = frozenset({"eagle3-speculators"})
 # Built-in plans that take --aux-layer-ids (refused for the others).
 AUX_LAYER_PLANS = frozenset({"eagle3", "eagle3-speculators"})
 # Built-in plans that take --hf-config: a trainer's checkpoint to a Hugging Face model.
-HF_CONFIG_PLANS = frozenset({"torchtitan-llama3", "megatron-gpt", "olmo2"})
+HF_CONFIG_PLANS = frozenset({"torchtitan", "torchtitan-llama3", "megatron-gpt", "olmo2"})
 
 
 __getattr__ = lazy_getattr(__name__, globals(), _LAZY)

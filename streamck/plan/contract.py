@@ -1,4 +1,4 @@
-"""The checks every built-in plan (``--plan eagle4``, ``eagle3``, ``torchtitan-llama3``,
+"""The checks every built-in plan (``--plan eagle4``, ``eagle3``, ``torchtitan``,
 ``megatron-gpt``) runs on its input before a byte is written: only cast rules beside a
 plan that fixes every name, a config that is a JSON object, tensors that are exactly the
 plan's table, each of the shape the table gives; and where a draft's config lies. One neutral module, so that no plan

@@ -17,8 +17,13 @@ from collections.abc import Iterable
 # tensor). First match wins: EAGLE-4 drafts hold EAGLE-3's marks too.
 PRODUCERS = (
     (
+        "a torchtitan MoE step (Qwen3-MoE)",
+        "--plan torchtitan writes a Hugging Face model (renamed alone, experts stay grouped per layer)",
+        ("tok_embeddings.weight", "layers.*.moe.routed_experts.inner_experts.w1_EFD"),
+    ),
+    (
         "a torchtitan step (Llama 3 / Qwen3)",
-        "--plan torchtitan-llama3 writes a Hugging Face model (renamed alone, q and k keep torchtitan's row order)",
+        "--plan torchtitan writes a Hugging Face model (renamed alone, q and k keep torchtitan's row order)",
         ("tok_embeddings.weight", "layers.*.attention.*wq.weight"),
     ),
     (

@@ -82,7 +82,6 @@ TRAINING_STATE = ("optimizer.", "rng_state", "common_state")
 # Megatron's args that change the layout and are refused (streamck writes no HF model for them).
 REFUSED_ARGS = {
     "attention_output_gate": "a gated attention output (its gate rows inside linear_qkv)",
-    "num_experts": "mixture-of-experts layers",
     "multi_latent_attention": "multi-latent attention",
     "add_bias_linear": "biases on every linear layer",
 }
@@ -90,3 +89,35 @@ REFUSED_ARGS = {
 HF_MODELS = {"qk_layernorm": ("Qwen3ForCausalLM", "qwen3"), "add_qkv_bias": ("Qwen2ForCausalLM", "qwen2")}
 HF_DEFAULT = ("LlamaForCausalLM", "llama")
 TRACKER = "latest_checkpointed_iteration.txt"
+# MoE layers (megatron-core 0.19.2 ``moe/experts.py`` SequentialMLP / TEGroupedMLP ``sharded_state_dict``:
+# the experts stacked over layers and experts, one key each, whatever the expert parallelism; the
+# grouped-GEMM layout writes the same keys). Shapes: E experts, Im their hidden size.
+MOE_ROUTER = ("decoder.layers.mlp.router.weight", ("L", "E", "H"))
+MOE_FC1 = ("decoder.layers.mlp.experts.experts.linear_fc1.weight", ("L", "E", "2*Im", "H"))  # [gate; up]
+MOE_FC2 = ("decoder.layers.mlp.experts.experts.linear_fc2.weight", ("L", "E", "H", "Im"))
+# The dense MLP rows an MoE layer has not (its pre-MLP norm keeps the dense key).
+DENSE_MLP = ("decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight")
+# A shared expert (Qwen2-MoE's ``shared_expert``, gated by ``shared_expert_gate``): HF name, key,
+# which rows (gate / up of ``linear_fc1``), shape.
+MOE_SHARED = (
+    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "decoder.layers.mlp.shared_experts.linear_fc1.weight",
+     "gate", ("L", "2*S", "H")),
+    ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "decoder.layers.mlp.shared_experts.linear_fc1.weight",
+     "up", ("L", "2*S", "H")),
+    ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "decoder.layers.mlp.shared_experts.linear_fc2.weight",
+     None, ("L", "H", "S")),
+    ("model.layers.{i}.mlp.shared_expert_gate.weight", "decoder.layers.mlp.shared_experts.gate_weight", None,
+     ("L", "1", "H")),
+)  # fmt: skip
+# The MoE families a GPTModel converts to, by model_type: its features (each must match the
+# checkpoint's), the config keys of the experts' and the shared expert's hidden sizes, and
+# whether it renormalises the top-k routing weights (a bool, or the config key that says).
+MOE_FAMILIES = {
+    "qwen3_moe": {"q/k norms": True, "a qkv bias": False, "a shared expert": False, "a shared expert gate": False,
+                  "expert_size": "moe_intermediate_size", "shared_size": None, "renormalise": "norm_topk_prob"},
+    "qwen2_moe": {"q/k norms": False, "a qkv bias": True, "a shared expert": True, "a shared expert gate": True,
+                  "expert_size": "moe_intermediate_size", "shared_size": "shared_expert_intermediate_size",
+                  "renormalise": "norm_topk_prob"},
+    "mixtral": {"q/k norms": False, "a qkv bias": False, "a shared expert": False, "a shared expert gate": False,
+                "expert_size": "intermediate_size", "shared_size": None, "renormalise": True},
+}  # fmt: skip

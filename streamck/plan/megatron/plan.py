@@ -25,10 +25,15 @@ from streamck.plan.compile import Plan
 from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.megatron.args import read_args
 from streamck.plan.megatron.layout import (
+    DENSE_MLP,
     HEAD,
     HF_DEFAULT,
     HF_MODELS,
     LAYER,
+    MOE_FC1,
+    MOE_FC2,
+    MOE_ROUTER,
+    MOE_SHARED,
     QK_NORM,
     QKV_BIAS,
     REFUSED_ARGS,
@@ -36,6 +41,7 @@ from streamck.plan.megatron.layout import (
     TRACKER,
     TRAINING_STATE,
 )
+from streamck.plan.megatron.moe import moe_outputs, moe_sizes
 from streamck.plan.rules import Rules
 from streamck.source import TensorRef, open_checkpoint
 from streamck.source.select import Rows, select
@@ -126,10 +132,11 @@ def _from_config(config: dict, keys: dict[str, TensorRef], where: Path) -> dict[
     return {**sizes, "Vp": embed.shape[0] if embed is not None and embed.shape else sizes["V"]}
 
 
-def _agree(from_args: dict[str, int], config: dict, config_path: Path) -> dict[str, int]:
-    """The config's sizes where they equal the args'; a disagreement is refused."""
+def _agree(from_args: dict[str, int], config: dict, config_path: Path, moe: bool = False) -> dict[str, int]:
+    """The config's sizes where they equal the args'; a disagreement is refused (an MoE
+    family's ``intermediate_size`` is its dense MLP's or its experts': moe_sizes checks those)."""
     mine = hf_export.sizes(config, config_path)
-    for s in CROSS_CHECKED:
+    for s in (s for s in CROSS_CHECKED if not (moe and s == "I")):
         if mine[s] != from_args[s]:
             key = hf_export.SYMBOLS[s]
             raise PlanError(f"{key} is {mine[s]}, the checkpoint's args say {from_args[s]}", config_path)
@@ -181,23 +188,33 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     ckpt = open_checkpoint(step)
     keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     _refuse_features(args, keys, step)
-    sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config)
+    moe = MOE_FC1[0] in keys or bool(args.get("num_experts"))
+    sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config, moe)
     bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
     table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
+    table = [r for r in table if not (moe and r[1] in DENSE_MLP)]  # MoE layers: experts instead
+    if moe:
+        found = {"q/k norms": norms, "a qkv bias": bias, "a shared expert": MOE_SHARED[0][1] in keys}
+        found["a shared expert gate"] = MOE_SHARED[3][1] in keys
+        sizes |= moe_sizes(args, config, config_path, found, step)
     expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
+    expected |= {MOE_ROUTER[0], MOE_FC1[0], MOE_FC2[0], *(r[1] for r in MOE_SHARED if r[1] in keys)} if moe else set()
     compare_keys(expected, keys, f"model tensors do not match a GPTModel ({sizes['L']} layers)", step)
     if config is None:
         config = _hf_config(args, sizes, bias, norms, tied)
-    else:
+    elif not moe:
         _config_fits(config, bias, norms, tied, config_path)
+    elif bool(config.get("tie_word_embeddings")) != tied:
+        raise PlanError(f"the config's head tying is not the checkpoint's ({'tied' if tied else 'untied'})", step)
     for _, key, _, exprs in (*TOP, *table, *(() if tied else (HEAD,))):
         hf_export.check(key, keys[key], exprs, sizes, step)
     outputs = _outputs(keys, table, sizes, bool(args.get("rotary_interleaved")), tied, step)
+    outputs += moe_outputs(keys, sizes, config["model_type"], step) if moe else []
     sources = [*(["its args"] if args else []), *([str(config_path)] if config_path else [])]
     features = (", qkv bias" if bias else "") + (", q/k norms" if norms else "") + (", tied head" if tied else "")
     summary = [
         f"Megatron GPTModel, iteration {iteration}: "
-        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V"))
+        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V", "E", "Im") if s in sizes)
         + (f" (of {sizes['Vp']} padded rows)" if sizes["Vp"] != sizes["V"] else "")
         + features,
         f"step: {step}; sizes from {' and '.join(sources)}",
@@ -208,7 +225,7 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
 
 
 def _sizes_and_config(
-    step: Path, args: dict, keys: dict, hf_config: str | None
+    step: Path, args: dict, keys: dict, hf_config: str | None, moe: bool = False
 ) -> tuple[dict[str, int], dict | None, Path | None]:
     """The shape symbols, and the Hugging Face config with its path when one is given or
     lies beside the step (required when the checkpoint holds no args)."""
@@ -217,7 +234,7 @@ def _sizes_and_config(
     config = load_config(config_path) if config_path else None
     if args:
         sizes = _sizes(args, keys, step)
-        sizes = _agree(sizes, config, config_path) if config is not None else sizes
+        sizes = _agree(sizes, config, config_path, moe) if config is not None else sizes
     else:
         sizes = _from_config(config, keys, config_path)
     sizes["QKV"] = (sizes["nh"] + 2 * sizes["nkv"]) * sizes["d"]

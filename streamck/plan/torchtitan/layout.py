@@ -99,6 +99,24 @@ HEAD = ("lm_head.weight", "lm_head.weight", "output.weight", None, ("V", "H"))
 # Which key names which version: the first layer's query weight.
 VERSIONS = {"0.3": LAYER[0][1].format(i=0), "0.2": LAYER[0][2].format(i=0)}
 # The families, by the Hugging Face config's model_type: (permute q/k, has q/k norms).
-FAMILIES = {"llama": (True, False), "qwen3": (False, True)}
+FAMILIES = {"llama": (True, False), "qwen3": (False, True), "qwen3_moe": (False, True)}
 # Top-level checkpoint entries that are training state, never model weights.
 TRAINING_STATE = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+# MoE layers (torchtitan 0.3.0 ``models/common/moe.py``; names as ``models/qwen3/state_dict_adapter.py``
+# maps them): the router, and per HF projection the grouped weight whose index e is expert e's.
+# Shapes in symbols: E experts, Im the experts' hidden size (``moe_intermediate_size``).
+MOE_ROUTER = ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.router.gate.weight", ("E", "H"))
+MOE_EXPERTS = (
+    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers.{i}.moe.routed_experts.inner_experts.w1_EFD",
+     ("E", "Im", "H")),
+    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers.{i}.moe.routed_experts.inner_experts.w3_EFD",
+     ("E", "Im", "H")),
+    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers.{i}.moe.routed_experts.inner_experts.w2_EDF",
+     ("E", "H", "Im")),
+)  # fmt: skip
+# The auxiliary-loss-free load-balancing bias (a buffer saved with the model when load balancing is on).
+MOE_BIAS = "layers.{i}.moe.expert_bias_E"
+MOE_SHARED = "layers.{i}.moe.shared_experts."
+# MoE families by model_type: the config key of the experts' hidden size.
+MOE_FAMILIES = {"qwen3_moe": "moe_intermediate_size"}

@@ -1,4 +1,4 @@
-"""``--plan torchtitan-llama3``: a torchtitan Llama 3 or dense Qwen3 step as a Hugging Face model.
+"""``--plan torchtitan`` (alias ``torchtitan-llama3``): a torchtitan Llama 3, Qwen3 or Qwen3-MoE step as HF.
 
 A torchtitan step (``checkpoint/step-N/``: native DCP, model keys at the top level beside
 ``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state``) becomes what
@@ -20,12 +20,23 @@ from streamck.plan import hf_export
 from streamck.plan.compile import Plan
 from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.rules import Rules
-from streamck.plan.torchtitan.layout import FAMILIES, HEAD, LAYER, QK_NORM, TOP, TRAINING_STATE, VERSIONS
+from streamck.plan.torchtitan.layout import (
+    FAMILIES,
+    HEAD,
+    LAYER,
+    MOE_BIAS,
+    MOE_FAMILIES,
+    QK_NORM,
+    TOP,
+    TRAINING_STATE,
+    VERSIONS,
+)
+from streamck.plan.torchtitan.moe import moe_keys, moe_outputs, moe_sizes
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
 from streamck.source.layout import DCP_METADATA
 from streamck.source.select import Rows, select
 
-PLAN = "torchtitan-llama3"
+PLAN = "torchtitan"
 # Config flags for biases that torchtitan's Llama 3 and Qwen3 never have.
 BIAS_FLAGS = ("attention_bias", "mlp_bias")
 # Bytes read at a time from each side when a tied head is compared with the embedding.
@@ -64,7 +75,7 @@ def _family(config: dict, names: set[str], column: int, where: Path, config_path
     kind = config.get("model_type")
     if kind not in FAMILIES:
         known = ", ".join(FAMILIES)
-        raise PlanError(f"model_type {kind!r}: --plan {PLAN} converts {known} (dense) models", config_path)
+        raise PlanError(f"model_type {kind!r}: --plan {PLAN} converts {known} models", config_path)
     permute, norms = FAMILIES[kind]
     biased = [k for k in BIAS_FLAGS if config.get(k) is True]
     if biased:  # transformers would build biases the weights lack and keep them at zero, without a word
@@ -98,27 +109,41 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
     column = _version(set(model), step)
     permute, norms = _family(config, set(model), column, step, config_path)
     tied = config.get("tie_word_embeddings") is True
+    moe = config["model_type"] in MOE_FAMILIES
+    if moe:
+        if column != 1:
+            raise PlanError(f"--plan {PLAN} reads MoE models under torchtitan 0.3's names only", step)
+        sizes |= moe_sizes(config, config["model_type"], config_path)
     rows = [*TOP]
     for i in range(sizes["L"]):
         layer = [*LAYER, *(QK_NORM if norms else ())]
+        layer = [r for r in layer if not (moe and ".mlp." in r[0])]  # MoE layers: experts instead
         rows += [(r[0].format(i=i), r[1].format(i=i), r[2].format(i=i), *r[3:]) for r in layer]
     head_key = HEAD[column]
     optional = {head_key} if tied else set()  # torchtitan saves the tied head under both names
+    experts = [k for i in range(sizes["L"]) for k in moe_keys(i)] if moe else []
+    optional |= {MOE_BIAS.format(i=i) for i in range(sizes["L"])} if moe else set()  # load balancing's
     model_name = f"a {sizes['L']}-layer torchtitan {config['model_type']} (from {config_path.name})"
     what = f"model tensors do not match {model_name}"
-    compare_keys([r[column] for r in rows] + ([] if tied else [head_key]), set(model) - optional, what, step)
+    expected = [r[column] for r in rows] + experts + ([] if tied else [head_key])
+    compare_keys(expected, set(model) - optional, what, step)
     if not tied:
         rows.append(HEAD)
     elif head_key in model:
         _same_head(model[head_key], model[TOP[0][column]], config_path)
     outputs = [_output(model[r[column]], r, sizes, permute, step) for r in rows]
+    outputs += [ref for i in range(sizes["L"] if moe else 0) for ref in moe_outputs(model, i, sizes, step)]
     summary = [
         f"torchtitan {list(VERSIONS)[column - 1]} {config['model_type']}: "
-        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V"))
+        + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V", "E", "Im") if s in sizes)
         + (", tied head left out" if tied else ""),
         f"step: {step}; sizes from {config_path}",
         "q/k rows: RoPE pairs to halves" if permute else "q/k rows as stored (rotate-half already)",
     ]
+    if moe:
+        biases = sum(MOE_BIAS.format(i=i) in model for i in range(sizes["L"]))
+        summary.append(f"MoE: {sizes['E']} experts per layer, written per expert (torchtitan's to_hf names)")
+        summary += [f"expert_bias_E of {biases} layers: all zeros (routing unchanged), left out"] if biases else []
     left = _left_out(ckpt, model, len(outputs), tied and head_key in model)
     return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
 

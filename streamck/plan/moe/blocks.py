@@ -1,0 +1,80 @@
+"""Find the MoE blocks of a list of output tensors by their names: fused runtime experts
+(``<block>.experts.gate_up_proj`` / ``down_proj``) and per-expert ones (``<block>.experts.E.P.weight``)."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from streamck.plan.moe.families import DOWN, GATE_UP
+
+_FUSED = re.compile(rf"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<kind>{GATE_UP}|{DOWN})$")
+_PER_EXPERT = re.compile(r"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
+
+
+@dataclass
+class Block:
+    """One MoE block by its name (``model.layers.3.mlp``): its fused tensors' names by kind,
+    or its per-expert names by projection and expert index."""
+
+    name: str
+    fused: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
+
+    @property
+    def leaf(self) -> str:
+        """The block's own module name (``mlp``)."""
+        return self.name.rpartition(".")[2]
+
+
+def find_blocks(names: Iterable[str]) -> dict[str, Block]:
+    """Every block holding experts, fused or per-expert, by block name, in name order."""
+    blocks: dict[str, Block] = {}
+    for name in sorted(names):
+        m = _FUSED.match(name)
+        if m:
+            blocks.setdefault(m["block"], Block(m["block"])).fused[m["kind"]] = name
+            continue
+        m = _PER_EXPERT.match(name)
+        if m:
+            blocks.setdefault(m["block"], Block(m["block"])).experts[m["proj"]][int(m["e"])] = name
+    return blocks
+
+
+# Trainers' own grouped experts: name pattern -> (what holds them, the expert axis, layers stacked on axis 0).
+GROUPED = {
+    re.compile(r"(^|\.)moe\.routed_experts\.inner_experts\.w1_EFD$"): ("torchtitan", 0, False),
+    re.compile(r"(^|\.)mlp\.experts\.experts\.linear_fc1\.weight$"): ("Megatron", 1, True),
+}
+
+
+def _grouped_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The ``MoE:`` line for a trainer's grouped experts (torchtitan, Megatron), or None."""
+    for pattern, (who, axis, stacked) in GROUPED.items():
+        found = [shape for name, shape in shapes.items() if pattern.search(name) and len(shape) > axis]
+        if found:
+            counts = "/".join(str(c) for c in sorted({s[axis] for s in found}))
+            blocks = sum(s[0] for s in found) if stacked else len(found)
+            return f"MoE: {counts} experts, fused ({who}'s grouped layout, {blocks} blocks)"
+    return None
+
+
+def layout_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """``MoE: 8 experts, fused`` (or ``per-expert``; counts that differ between blocks are all
+    listed) for tensors by name and shape; None when there are no experts."""
+    blocks = find_blocks(shapes)
+    if not blocks:
+        return _grouped_line(shapes)
+    counts: set[int] = set()
+    kinds: set[str] = set()
+    for b in blocks.values():
+        if b.fused:
+            kinds.add("fused")
+            counts.update(shapes[n][0] for n in b.fused.values() if shapes[n])
+        if b.experts:
+            kinds.add("per-expert")
+            counts.update(len(ids) for ids in b.experts.values())
+    number = "/".join(str(c) for c in sorted(counts)) or "0"
+    return f"MoE: {number} experts, {' and '.join(sorted(kinds))} ({len(blocks)} blocks)"
