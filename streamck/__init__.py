@@ -32,9 +32,11 @@ _EXPORTS = {
         "eagle4_plan",
         "load_rules",
         "megatron_plan",
+        "olmo2_plan",
         "torchtitan_plan",
     ),
     "streamck.source": ("Checkpoint", "TensorRef", "open_checkpoint"),
+    "streamck.spec": ("SourceSpec",),
     "streamck.writer": ("WriteResult", "write_plan"),
 }
 _MODULE = {name: module for module, names in _EXPORTS.items() for name in names}

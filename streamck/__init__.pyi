@@ -23,10 +23,12 @@ from streamck.plan import eagle3_speculators_plan as eagle3_speculators_plan
 from streamck.plan import eagle4_plan as eagle4_plan
 from streamck.plan import load_rules as load_rules
 from streamck.plan import megatron_plan as megatron_plan
+from streamck.plan import olmo2_plan as olmo2_plan
 from streamck.plan import torchtitan_plan as torchtitan_plan
 from streamck.source import Checkpoint as Checkpoint
 from streamck.source import TensorRef as TensorRef
 from streamck.source import open_checkpoint as open_checkpoint
+from streamck.spec import SourceSpec as SourceSpec
 from streamck.writer import WriteResult as WriteResult
 from streamck.writer import write_plan as write_plan
 
