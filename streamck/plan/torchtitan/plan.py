@@ -1,4 +1,4 @@
-"""``--plan torchtitan`` (alias ``torchtitan-llama3``): a torchtitan Llama 3, Qwen3 or Qwen3-MoE step as HF.
+"""``--plan torchtitan`` (alias ``torchtitan-llama3``): a torchtitan Llama 3, Qwen3, Qwen3-MoE or DeepSeek-V3 step.
 
 A torchtitan step (``checkpoint/step-N/``: native DCP, model keys at the top level beside
 ``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state``) becomes what
@@ -74,7 +74,7 @@ def _family(config: dict, names: set[str], column: int, where: Path, config_path
     """(permute q/k, has q/k norms) for the config's model_type, checked against the keys."""
     kind = config.get("model_type")
     if kind not in FAMILIES:
-        known = ", ".join(FAMILIES)
+        known = ", ".join([*FAMILIES, "deepseek_v3"])
         raise PlanError(f"model_type {kind!r}: --plan {PLAN} converts {known} models", config_path)
     permute, norms = FAMILIES[kind]
     biased = [k for k in BIAS_FLAGS if config.get(k) is True]
@@ -105,6 +105,10 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
     config = load_config(config_path)
     sizes = hf_export.sizes(config, config_path)
     ckpt = open_checkpoint(step)
+    if config.get("model_type") == "deepseek_v3":  # MLA, shared experts, routing bias: a layout of its own
+        from streamck.plan.torchtitan.deepseek import dsv3_plan
+
+        return dsv3_plan(ckpt, step, config, config_path, rules)
     model = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     column = _version(set(model), step)
     permute, norms = _family(config, set(model), column, step, config_path)
