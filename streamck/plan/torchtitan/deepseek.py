@@ -29,6 +29,7 @@ from streamck.plan.torchtitan.deepseek_layout import (
     SYMBOLS,
     TOP,
 )
+from streamck.plan.torchtitan.heads import _left_out, _same_head
 from streamck.plan.torchtitan.layout import MOE_EXPERTS, TRAINING_STATE
 from streamck.source import Checkpoint, TensorRef
 from streamck.source.select import select
@@ -98,8 +99,6 @@ def _layer_rows(sizes: dict[str, int], i: int, src: str, dst: int) -> list[tuple
 
 def dsv3_plan(ckpt: Checkpoint, step: Path, config: dict, config_path: Path, rules: Rules):
     """The Hugging Face DeepseekV3 export of torchtitan step ``step`` (opened as ``ckpt``)."""
-    from streamck.plan.torchtitan.plan import _left_out, _same_head
-
     sizes = dsv3_sizes(config, config_path)
     model = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     mtp = _mtp_count(set(model), config, config_path)
