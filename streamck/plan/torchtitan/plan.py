@@ -1,4 +1,4 @@
-"""``--plan torchtitan`` (alias ``torchtitan-llama3``): a torchtitan Llama 3, Qwen3 or Qwen3-MoE step as HF.
+"""``--plan torchtitan`` (alias ``torchtitan-llama3``): a torchtitan Llama 3, Qwen3, Qwen3-MoE or DeepSeek-V3 step.
 
 A torchtitan step (``checkpoint/step-N/``: native DCP, model keys at the top level beside
 ``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state``) becomes what
@@ -20,6 +20,7 @@ from streamck.plan import hf_export
 from streamck.plan.compile import Plan
 from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.rules import Rules
+from streamck.plan.torchtitan.heads import _left_out, _same_head
 from streamck.plan.torchtitan.layout import (
     FAMILIES,
     HEAD,
@@ -32,15 +33,13 @@ from streamck.plan.torchtitan.layout import (
     VERSIONS,
 )
 from streamck.plan.torchtitan.moe import moe_keys, moe_outputs, moe_sizes
-from streamck.source import Checkpoint, TensorRef, open_checkpoint
+from streamck.source import TensorRef, open_checkpoint
 from streamck.source.layout import DCP_METADATA
 from streamck.source.select import Rows, select
 
 PLAN = "torchtitan"
 # Config flags for biases that torchtitan's Llama 3 and Qwen3 never have.
 BIAS_FLAGS = ("attention_bias", "mlp_bias")
-# Bytes read at a time from each side when a tied head is compared with the embedding.
-SAME_WINDOW = 8 << 20
 
 
 def _step_dir(path: Path) -> Path:
@@ -74,7 +73,7 @@ def _family(config: dict, names: set[str], column: int, where: Path, config_path
     """(permute q/k, has q/k norms) for the config's model_type, checked against the keys."""
     kind = config.get("model_type")
     if kind not in FAMILIES:
-        known = ", ".join(FAMILIES)
+        known = ", ".join([*FAMILIES, "deepseek_v3"])
         raise PlanError(f"model_type {kind!r}: --plan {PLAN} converts {known} models", config_path)
     permute, norms = FAMILIES[kind]
     biased = [k for k in BIAS_FLAGS if config.get(k) is True]
@@ -105,6 +104,10 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
     config = load_config(config_path)
     sizes = hf_export.sizes(config, config_path)
     ckpt = open_checkpoint(step)
+    if config.get("model_type") == "deepseek_v3":  # MLA, shared experts, routing bias: a layout of its own
+        from streamck.plan.torchtitan.deepseek import dsv3_plan
+
+        return dsv3_plan(ckpt, step, config, config_path, rules)
     model = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     column = _version(set(model), step)
     permute, norms = _family(config, set(model), column, step, config_path)
@@ -154,33 +157,3 @@ def _output(ref: TensorRef, row: tuple, sizes: dict[str, int], permute: bool, wh
     hf_export.check(ref.name, ref, exprs, sizes, where)
     order = _rows(kind, sizes, ref.name, where) if permute else None
     return select(ref, order, name=hf_name)
-
-
-def _same_head(head: TensorRef, embed: TensorRef, config_path: Path) -> None:
-    """A config that ties the head, for a checkpoint whose head is not its embedding, is
-    another model's: leaving the head out would change the model. Every byte is compared,
-    in bounded windows (a head fine-tuned apart may differ in its last rows only)."""
-    same = head.shape == embed.shape and head.dtype == embed.dtype and _same_bytes(head, embed)
-    if not same:
-        raise PlanError(
-            f"tie_word_embeddings is true, but {head.name} is not {embed.name} in this checkpoint: "
-            "the config is not this model's",
-            config_path,
-        )
-
-
-def _same_bytes(a: TensorRef, b: TensorRef) -> bool:
-    """Whether two tensors of one size hold the same bytes, read window by window (both in
-    windows of one size, whatever their runs), stopping at the first difference."""
-    from streamck.source.reader import Reader
-
-    with Reader(SAME_WINDOW) as ra, Reader(SAME_WINDOW) as rb:
-        return all(wa == wb for wa, wb in zip(ra.windows(a), rb.windows(b), strict=True))
-
-
-def _left_out(ckpt: Checkpoint, model: dict, written: int, tied_head: bool) -> str:
-    state = sorted({n.split(".")[0] for n in ckpt.tensors if n not in model})
-    parts = [f"training state ({', '.join(state)})"] if state else []
-    if tied_head:
-        parts.append("lm_head.weight (tied: transformers ties it again on load)")
-    return f"{written} model tensors to write; left out: " + ("; ".join(parts) or "nothing")
