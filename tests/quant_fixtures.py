@@ -31,7 +31,6 @@ PTQ_CASES = [
     ("qwen3moe-FP8_DYNAMIC", "qwen3moe", "FP8_DYNAMIC", ("lm_head", "re:.*mlp.gate$")),
     ("qwen3moe-FP8_BLOCK", "qwen3moe", "FP8_BLOCK", ("lm_head",)),
     ("llama-NVFP4A16", "llama", "NVFP4A16", ("lm_head",)),
-    ("split-NVFP4A16", "llama-split", "NVFP4A16", ("lm_head",)),
     ("qwen3moe-NVFP4A16", "qwen3moe", "NVFP4A16", ("lm_head", "re:.*mlp.gate$")),
     ("llama-MXFP4A16", "llama", "MXFP4A16", ("lm_head",)),
     ("qwen3moe-MXFP4A16", "qwen3moe", "MXFP4A16", ("lm_head",)),

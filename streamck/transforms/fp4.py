@@ -32,6 +32,8 @@ from streamck.transforms.quantize import _bands
 GROUP = {"nv": 16, "mx": 32}
 SCHEME_OF = {"nv": "NVFP4A16", "mx": "MXFP4A16"}
 FP4_MAX, FP8_MAX = 6.0, 448.0
+# Source bytes a band: FP4's float32 temporaries are a dozen times a band, in each writer thread.
+FP4_BAND = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,7 @@ def _member_bands(member: Member, compute: str, reader: Reader, space: dict):
     if member.inner is not None:
         stream = PieceStream(member.inner.pieces(Computed(member.name, ref, compute), reader, space))
         ref = ref._replace(dtype=compute)
-    return _bands(ref, compute, reader, stream)
+    return _bands(ref, compute, reader, stream, rows_of="rows", budget=FP4_BAND)
 
 
 def global_scale(group: tuple[Member, ...], compute: str, reader: Reader, space: dict):
