@@ -115,18 +115,20 @@ def test_nvfp4_global_scale_across_files(quant, tmp_path):  # noqa: F811
     """q, k and v (and gate, up) in different files of the source: one global scale each set, read
     in a first streaming pass; the one-file base's model_free_ptq output, bit for bit (model_free_ptq
     itself crashes on this layout: "Could not find inverse_weight_map for shard" for a file that
-    holds only partners, k_proj or up_proj); --keep-shards and --verify."""
+    holds only partners: up_proj here); --keep-shards and --verify."""
     index = json.loads((quant / "llama-split" / "model.safetensors.index.json").read_text())["weight_map"]
-    qkv = {index[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"}
-    assert len(qkv) == 3, qkv  # the base is laid out as the test needs
+    attn, mlp = "model.layers.1.self_attn", "model.layers.0.mlp"
+    sets = [[f"{attn}.{p}_proj" for p in "qkv"], [f"{mlp}.gate_proj", f"{mlp}.up_proj"]]
+    assert all(len({index[f"{m}.weight"] for m in members}) > 1 for members in sets), index  # as the test needs
     out = tmp_path / "out"
     cli("rewrite", quant / "llama-split", "-o", out, "--quantize", "NVFP4A16", "--quantize-ignore", "lm_head",
         "--keep-shards", "--verify", check=0)  # fmt: skip
     assert len(list(out.glob("*.safetensors"))) == len(set(index.values()))
     assert_same_as_ptq(out, quant / "llama-NVFP4A16")
     got = tensors(out)
-    scales = {got[f"model.layers.0.self_attn.{p}_proj.weight_global_scale"][2] for p in "qkv"}
-    assert len(scales) == 1 and scales != {got["model.layers.0.self_attn.o_proj.weight_global_scale"][2]}
+    for members in sets:
+        assert len({got[f"{m}.weight_global_scale"][2] for m in members}) == 1
+    assert got[f"{attn}.q_proj.weight_global_scale"] != got[f"{attn}.o_proj.weight_global_scale"]
 
 
 CHILD = """
