@@ -825,6 +825,45 @@ def case_lora(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+@case
+def case_quant(a: argparse.Namespace, tmp: Path) -> str:
+    """bf16 Llama (in shards, and as one file) -> FP8_BLOCK: llm-compressor's model_free_ptq vs
+    streamck --quantize vs cp -r of the base."""
+    size = parse_size(a.size)
+    sharded, one = tmp / "sharded", tmp / "one"
+    subprocess.run([PY, str(HERE / "lora_ckpt.py"), "base", str(sharded), str(size)], check=True)
+    subprocess.run(streamck("rewrite", str(sharded), "-o", str(one), "-q"), check=True)  # one model.safetensors
+    ptq, ignore = str(HERE / "quant_ckpt.py"), ("lm_head",)
+    out, sections = tmp / "out", []
+    for label, base in (("in shards", sharded), ("one file", one)):
+        contenders = {
+            "cp -r + sync (base)": cp_fsync(base),
+            "model_free_ptq FP8_BLOCK": lambda o, b=base: [PY, ptq, "ptq", str(b), str(o), "FP8_BLOCK", *ignore],
+            "streamck --quantize FP8_BLOCK": lambda o, b=base: streamck(
+                "rewrite", str(b), "-o", str(o), "--quantize", "FP8_BLOCK", "--quantize-ignore", "lm_head", "-q"
+            ),
+        }
+        runs = contend(contenders, out, a.reps, a.settle, (base,))
+        # the outputs themselves, once more: every tensor and config.json equal
+        subprocess.run([PY, ptq, "ptq", str(base), str(out / "p"), "FP8_BLOCK", *ignore], check=True)
+        subprocess.run(contenders["streamck --quantize FP8_BLOCK"](out / "s"), check=True)
+        same = subprocess.run(streamck("diff", str(out / "s"), str(out / "p"), "--data", "-q"), capture_output=True)
+        config = (out / "s" / "config.json").read_bytes() == (out / "p" / "config.json").read_bytes()
+        verdict = "equal" if same.returncode == 0 and config else "NOT equal"
+        shutil.rmtree(out)
+        shards = len(list(base.glob("*.safetensors")))
+        sections.append(
+            f"Base {label} ({shards} file{'s' if shards > 1 else ''}): outputs {verdict} (every tensor under "
+            f"`diff --data`, and config.json byte for byte).\n\n" + table(runs, "cp -r + sync (base)", _dir_bytes(base))
+        )
+    _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
+    return (
+        f"Base: bf16 Llama by bench/lora_ckpt.py, {_dir_bytes(sharded) / 2**30:.2f} GiB (hidden 1024, MLP 2816, "
+        f"vocab 32000), FP8_BLOCK with --quantize-ignore lm_head. {a.reps} interleaved reps, {a.settle:.0f} s "
+        f"settle. `python -c 'import torch'` alone peaks at {mib(torch_rss)}.\n\n" + "\n\n".join(sections)
+    )
+
+
 def _peft_version() -> str:
     proc = subprocess.run([PY, "-c", "import peft; print(peft.__version__)"], capture_output=True, text=True)
     return proc.stdout.strip() or "?"
