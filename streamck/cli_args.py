@@ -210,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument(
         "--quantize",
         metavar="SCHEME",
-        help="FP8_DYNAMIC (per-row FP8 scales) or FP8_BLOCK (128x128 blocks); compressed-tensors format, as vLLM "
-        "reads it. --dtype bf16 on a quantized source dequantizes instead",
+        help="FP8_DYNAMIC (per-row FP8 scales), FP8_BLOCK (128x128 blocks), NVFP4A16 (FP4, FP8 scales per 16 "
+        "values and a global scale) or MXFP4A16 (FP4, E8M0 scales per 32 values); compressed-tensors format, as "
+        "vLLM reads it. --dtype bf16 on a quantized source dequantizes instead",
     )
     quant.add_argument(
         "--quantize-ignore",

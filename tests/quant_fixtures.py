@@ -30,13 +30,17 @@ PTQ_CASES = [
     ("sharded-FP8_BLOCK", "llama-sharded", "FP8_BLOCK", ("lm_head", "model.embed_tokens")),
     ("qwen3moe-FP8_DYNAMIC", "qwen3moe", "FP8_DYNAMIC", ("lm_head", "re:.*mlp.gate$")),
     ("qwen3moe-FP8_BLOCK", "qwen3moe", "FP8_BLOCK", ("lm_head",)),
+    ("llama-NVFP4A16", "llama", "NVFP4A16", ("lm_head",)),
+    ("qwen3moe-NVFP4A16", "qwen3moe", "NVFP4A16", ("lm_head", "re:.*mlp.gate$")),
+    ("llama-MXFP4A16", "llama", "MXFP4A16", ("lm_head",)),
+    ("qwen3moe-MXFP4A16", "qwen3moe", "MXFP4A16", ("lm_head",)),
     ("ct-FP8_DYNAMIC", "llama", "FP8_DYNAMIC", ("lm_head", "model.embed_tokens")),
 ]
 
 
 @pytest.fixture(scope="session")
 def quant(request, tmp_path_factory) -> Path:
-    """A folder holding the bases (llama, llama-sharded, qwen3moe), model_free_ptq's outputs
+    """A folder holding the bases (llama, llama-sharded, llama-split, qwen3moe), model_free_ptq's outputs
     (PTQ_CASES, by case name) and a DeepSeek-layout FP8 llama (ds-fp8)."""
     pytest.importorskip("llmcompressor", reason="llmcompressor==0.14.0.1 (scripts/test installs it)")
     digest = hashlib.sha256(DRIVER.read_bytes() + repr(PTQ_CASES).encode()).hexdigest()[:12]

@@ -1,7 +1,7 @@
 """The producers and oracles tests/test_quantize.py and test_dequantize.py compare against, run in a
 child (llm-compressor's import alone is ~0.5 GiB and installs loggers):
 
-    bases OUT                  tiny Llama (one file, 3 shards, and 128-wide) and Qwen3-MoE, bf16, by transformers
+    bases OUT                  tiny Llama (one file, two shardings, 128-wide) and Qwen3-MoE, bf16, by transformers
     ptq SRC OUT SCHEME [IGN..] llm-compressor 0.14.0.1's model_free_ptq on the CPU
     fp8 SRC OUT                a DeepSeek-V3-layout FP8 checkpoint, by transformers' FineGrainedFP8
     load SRC DTYPE OUT         the weights transformers loads from a quantized SRC (dequantizing), saved
@@ -24,8 +24,16 @@ def bases(out: str) -> None:
     model = LlamaForCausalLM(llama).to(torch.bfloat16)
     with torch.no_grad():  # a zero row and a zero tile: their scales are the dtype's epsilon
         model.model.layers[0].self_attn.o_proj.weight[:128, :128] = 0
+        # FP4's edges: a row of groups whose max is 6, so that NVFP4's scale over the global one is
+        # exactly 1 (global 2688/6 = 448, group 448 * 6/6) and MXFP4's is 2^0: each rounding tie of
+        # E2M1 (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), -0, a negative that rounds to zero.
+        edges = [6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.1, -0.0, 0.0, -5.0, -2.5, 0.5, -1.75]
+        model.model.layers[0].self_attn.q_proj.weight[0] = torch.tensor(edges * 16)
+        model.model.layers[1].self_attn.o_proj.weight.zero_()  # NVFP4: an all-zero tensor's global scale is 1
     model.save_pretrained(f"{out}/llama")
     model.save_pretrained(f"{out}/llama-sharded", max_shard_size="600KB")
+    # q, k and v of each layer in three files, gate and up in two: NVFP4's global scale crosses files.
+    model.save_pretrained(f"{out}/llama-split", max_shard_size="300KB")
     # transformers' FP8 dequantizer refuses a shape that is no multiple of its scale grid: this one is.
     LlamaForCausalLM(llama.__class__(**{**llama.to_dict(), "intermediate_size": 384})).to(
         torch.bfloat16

@@ -33,11 +33,11 @@ BAND_BYTES = 2 << 20
 SCHEME_OF = {"channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}
 
 
-def band_rows(rows: int, cols: int, size: int, strategy: str) -> list[tuple[int, int]]:
-    """[start, end) row bands of about BAND_BYTES (``size`` bytes an element); for ``block``
+def band_rows(rows: int, cols: int, size: int, strategy: str, budget: int = BAND_BYTES) -> list[tuple[int, int]]:
+    """[start, end) row bands of about ``budget`` bytes (``size`` bytes an element); for ``block``
     a multiple of 128 rows (the last band may be short)."""
     unit = TILE if strategy == "block" else 1
-    step = max(unit, BAND_BYTES // max(cols * size, 1) // unit * unit)
+    step = max(unit, budget // max(cols * size, 1) // unit * unit)
     return [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
@@ -81,17 +81,18 @@ class Fp8:
             yield memoryview(out.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def _bands(ref: TensorRef, compute: str, reader: Reader, stream: PieceStream | None = None):
+def _bands(ref: TensorRef, compute: str, reader: Reader, stream: PieceStream | None = None, rows_of: str = "block",
+           budget: int = BAND_BYTES):  # fmt: skip
     """``ref`` (or what ``stream`` yields in ``ref``'s dtype and shape) as tensors of ``compute``
-    dtype, one band of rows at a time."""
+    dtype, one band of rows at a time: whole 128-row tiles (``rows_of`` "block", which serves
+    both FP8 strategies) or any rows ("rows")."""
     import torch
 
     rows, cols = ref.shape
     size = BITS[ref.dtype] // 8
     src, dst = getattr(torch, TORCH_NAMES[ref.dtype]), getattr(torch, TORCH_NAMES[compute])
     stream = reader.stream(ref) if stream is None else stream
-    strategy = "block"  # bands of whole tiles serve both strategies
-    for start, end in band_rows(rows, cols, size, strategy):
+    for start, end in band_rows(rows, cols, size, rows_of, budget):
         buf = bytearray((end - start) * cols * size)
         if stream.readinto(memoryview(buf)) != len(buf):
             raise OutputError(f"{ref.name} ended early", ref.path)

@@ -42,15 +42,34 @@ SCHEMES: dict[str, tuple[str, str, dict, dict | None]] = {
         _args(strategy="block", block_structure=[128, 128]),
         _args(strategy="group", dynamic=True, group_size=128),
     ),
+    "NVFP4A16": (
+        "tensor_group",
+        "nvfp4-pack-quantized",
+        _args(num_bits=4, strategy="tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn"),
+        None,
+    ),
+    "MXFP4A16": (
+        "group",
+        "mxfp4-pack-quantized",
+        _args(num_bits=4, strategy="group", group_size=32, scale_dtype="torch.uint8"),
+        None,
+    ),
 }
 
 # Schemes model_free_ptq runs that streamck refuses, and why (no approximation is offered).
-NOT_YET = {
-    "NVFP4A16": "not implemented yet in streamck (its FP4 rounding and fused global scale are not matched "
-    "bit for bit here); use llm-compressor's model_free_ptq",
-    "MXFP4A16": "not implemented yet in streamck (its E8M0 exponent rounding is not matched bit for bit here); "
-    "use llm-compressor's model_free_ptq",
-}
+NOT_YET: dict[str, str] = {}
+
+# NVFP4's fused tensors, which share one global scale (llm-compressor 0.14's microscale
+# DEFAULT_FUSED_MAPPINGS, the ones vLLM fuses): a primary weight's pattern, its partners' names.
+# Experts are never fused: "mlp.experts.0.gate_proj" is no "mlp.gate_proj".
+FUSED = (
+    (r"^(?P<prefix>.+?)\.(?P<attn>attn|attention|self_attn|self_attention)\.q_proj\.weight$",
+     ("{prefix}.{attn}.k_proj.weight", "{prefix}.{attn}.v_proj.weight")),
+    (r"^(?P<prefix>.+?)\.(?P<attn>attn|attention|self_attn)\.wq_a\.weight$",
+     ("{prefix}.{attn}.wkv_a_with_mqa.weight",)),
+    (r"^(?P<prefix>.+?)\.(?P<mlp>mlp|feed_forward)\.gate_proj\.weight$", ("{prefix}.{mlp}.up_proj.weight",)),
+    (r"^(?P<prefix>.+?)\.w1\.weight$", ("{prefix}.w3.weight",)),
+)  # fmt: skip
 
 # The ignore entries users normally pass (llm-compressor's examples): the output head, and a MoE router.
 USUAL_IGNORE = ("lm_head", "re:.*mlp.gate$")

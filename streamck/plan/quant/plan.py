@@ -19,6 +19,7 @@ from pathlib import Path
 from streamck.dtypes import CASTABLE
 from streamck.errors import PlanError, UsageError, listing
 from streamck.plan.compile import OutputTensor, Plan
+from streamck.plan.quant.fp4 import fp4_outputs, fp4_unfit
 from streamck.plan.quant.layout import NOT_YET, SCHEMES, USUAL_IGNORE, quantization_config
 from streamck.transforms.quantize import TILE, Fp8
 
@@ -61,8 +62,8 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
     _refuse_quantized(plan)
     strategy = SCHEMES[scheme][0]
     tensors: list[OutputTensor] = []
+    targets: list[OutputTensor] = []
     bad: list[str] = []
-    count = 0
     for t in plan.tensors:
         if not is_target(t.name, ignore):
             tensors.append(t)
@@ -72,14 +73,20 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
         if len(t.shape) != 2 or t.dtype not in CASTABLE or t.source.dtype not in CASTABLE:
             bad.append(f"{t.name} ({t.dtype}{list(t.shape)})")
             continue
-        count += 1
-        tensors.extend(_quantized(t, strategy))
-    if bad:
-        first = bad[0].split(" ")[0].rpartition(".")[0]
+        targets.append(t)
+    what, unfit = ("2-D float weights", bad) if bad else fp4_unfit(targets, strategy)
+    if unfit:
+        first = unfit[0].split(" ")[0].rpartition(".")[0]
         raise PlanError(
-            f"--quantize {scheme} takes 2-D float weights; these are not: {listing(bad, 3)}; "
+            f"--quantize {scheme} takes {what}; these are not: {listing(unfit, 3)}; "
             f"leave them out with --quantize-ignore {first!r} (or a 're:' pattern)"
         )
+    count = len(targets)
+    if strategy in ("tensor_group", "group"):
+        tensors.extend(fp4_outputs(targets, strategy, {t.name for t in plan.tensors}))
+    else:
+        for t in targets:
+            tensors.extend(_quantized(t, strategy))
     if count == 0:
         raise PlanError(f"--quantize {scheme}: no tensor to quantize (every weight ignored or none found)")
     tensors.sort(key=lambda t: t.name)
