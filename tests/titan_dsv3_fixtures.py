@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from titan_moe_fixtures import WORLD, _normal, _Stateful, import_torchtitan
+from titan_moe_fixtures import WORLD, _normal, import_torchtitan, train_and_save
 
 # dim, n_heads, kv_lora_rank, qk_nope, qk_rope, v_head, dense_hidden, moe_hidden, experts, shared, top_k,
 # layers, dense layers, vocab
@@ -91,11 +91,6 @@ def hf_config(q_lora_rank: int, mtp: int) -> dict:
 
 def _save_one(name: str, case: tuple, root: Path, rank: int) -> None:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.optimizer import OptimizersContainer
-    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
     q_lora_rank, biased, ep, mtp = case
     out = root / name
@@ -107,33 +102,9 @@ def _save_one(name: str, case: tuple, root: Path, rank: int) -> None:
         set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=True)
     model = config.build()
     model.init_weights(buffer_device=None)
-    if ep:
-        _expert_parallel(model, root)
-    else:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
-    optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop").build(model_parts=[model])
-    if biased:
-        _load_balancing(model, optimizers)
-    torch.manual_seed(1 + rank)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 0.1
-    optimizers.step()
-    ckpt = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
-        dataloader=_Stateful({"epoch": 0, "sample": 24}),
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={"train_state": _Stateful({"step": 1})},
-        sd_adapter=None,
-        base_folder=str(out),
+    train_and_save(
+        model, out, rank, (lambda m: _expert_parallel(m, root)) if ep else None, _load_balancing if biased else None
     )
-    ckpt.save(curr_step=1)
-    ckpt.close()
     if rank == 0:
         (out / "config.json").write_text(json.dumps(hf_config(q_lora_rank, mtp), indent=2))
 

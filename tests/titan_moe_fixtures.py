@@ -104,7 +104,10 @@ class _Stateful:
         self.state = dict(state)
 
 
-def _save_one(name: str, biased: bool, ep: bool, root: Path, rank: int) -> None:
+def train_and_save(model, out: Path, rank: int, parallel=None, balance=None) -> None:
+    """What torchtitan's trainer does to a built model, as a checkpoint sees it: FSDP2 over the
+    layers (or ``parallel(model)``: expert parallelism), one AdamW step on random gradients
+    (after ``balance(model, optimizers)``, its load-balancing hook), and its CheckpointManager's save."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -112,17 +115,8 @@ def _save_one(name: str, biased: bool, ep: bool, root: Path, rank: int) -> None:
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
-    out = root / name
-    torch.manual_seed(0)
-    config = model_config()
-    if ep:  # what the trainer's update_from_config does for expert_parallel_degree > 1
-        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
-
-        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
-    model = config.build()
-    model.init_weights(buffer_device=None)
-    if ep:
-        _expert_parallel(model, root)
+    if parallel is not None:
+        parallel(model)
     else:
         mesh = init_device_mesh("cpu", (WORLD,))
         for block in model.layers.values():
@@ -130,8 +124,8 @@ def _save_one(name: str, biased: bool, ep: bool, root: Path, rank: int) -> None:
         fully_shard(model, mesh=mesh)
     adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
     optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop").build(model_parts=[model])
-    if biased:
-        _load_balancing(model, optimizers)
+    if balance is not None:
+        balance(model, optimizers)
     torch.manual_seed(1 + rank)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 0.1
@@ -148,6 +142,23 @@ def _save_one(name: str, biased: bool, ep: bool, root: Path, rank: int) -> None:
     )
     ckpt.save(curr_step=1)
     ckpt.close()
+
+
+def _save_one(name: str, biased: bool, ep: bool, root: Path, rank: int) -> None:
+    import torch
+
+    out = root / name
+    torch.manual_seed(0)
+    config = model_config()
+    if ep:  # what the trainer's update_from_config does for expert_parallel_degree > 1
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
+    model = config.build()
+    model.init_weights(buffer_device=None)
+    train_and_save(
+        model, out, rank, (lambda m: _expert_parallel(m, root)) if ep else None, _load_balancing if biased else None
+    )
     if rank == 0:
         (out / "config.json").write_text(json.dumps(hf_config(), indent=2))
 
