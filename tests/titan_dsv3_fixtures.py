@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from titan_moe_fixtures import WORLD, _normal, import_torchtitan, train_and_save
+from titan_moe_fixtures import WORLD, _normal, expert_parallel, import_torchtitan, load_balancing, train_and_save
 
 # dim, n_heads, kv_lora_rank, qk_nope, qk_rope, v_head, dense_hidden, moe_hidden, experts, shared, top_k,
 # layers, dense layers, vocab
@@ -112,36 +112,14 @@ def _save_one(name: str, case: tuple, root: Path, rank: int) -> None:
 def _expert_parallel(model, root: Path) -> None:
     """torchtitan's own parallelize_deepseekv3 with EP = FSDP = 2 on the 2 ranks (FSDP applied
     as tests/titan_moe_fixtures.py's EP case: partial_dtensor, fp32 parameters)."""
-    import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 
-    pd.device_type = "cpu"
-    par = ParallelismConfig(expert_parallel_degree=WORLD, data_parallel_shard_degree=WORLD)
-    par.spmd_backend = "partial_dtensor"
-    dims = pd.ParallelDims.from_config(par, WORLD)
-    dims.build_mesh()
-    training = TrainingConfig()
-    training.mixed_precision_param = "float32"
-    parallelize_deepseekv3(
-        model, parallel_dims=dims, training=training, parallelism=par, compile_config=CompileConfig(),
-        ac_config=None, dump_folder=str(root),
-    )  # fmt: skip
+    expert_parallel(model, root, parallelize_deepseekv3)
 
 
 def _load_balancing(model, optimizers) -> None:
     """torchtitan's own load-balancing hook, after a forward pass counted each expert's tokens."""
-    import torch
-    import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
-
-    pd.device_type = "cpu"  # torchtitan's meshes are on "cuda" unless told
-    dims = pd.ParallelDims(dp_replicate=1, dp_shard=WORLD, cp=1, tp=1, pp=1, ep=1, world_size=WORLD)
-    dims.build_mesh()
-    register_moe_load_balancing_hook(optimizers, [model], dims)
-    positions = torch.arange(SEQ).repeat(2, 1)
-    with torch.no_grad():
-        model(tokens(), positions, model.get_attention_masks(positions=positions))
+    load_balancing(model, optimizers, tokens())
 
 
 def _fp32_experts(self, x_RD, num_tokens_per_expert_E):

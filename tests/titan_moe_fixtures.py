@@ -165,9 +165,15 @@ def _save_one(name: str, biased: bool, ep: bool, root: Path, rank: int) -> None:
 
 def _expert_parallel(model, root: Path) -> None:
     """torchtitan's own parallelize_qwen3 with EP = FSDP = 2 on the 2 ranks."""
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    expert_parallel(model, root, parallelize_qwen3)
+
+
+def expert_parallel(model, root: Path, parallelize) -> None:
+    """A model family's own ``parallelize`` (torchtitan's) with EP = FSDP = 2 on the 2 ranks."""
     import torchtitan.distributed.parallel_dims as pd
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     pd.device_type = "cpu"
     par = ParallelismConfig(expert_parallel_degree=WORLD, data_parallel_shard_degree=WORLD)
@@ -176,15 +182,21 @@ def _expert_parallel(model, root: Path) -> None:
     dims.build_mesh()
     training = TrainingConfig()
     training.mixed_precision_param = "float32"
-    parallelize_qwen3(
+    parallelize(
         model, parallel_dims=dims, training=training, parallelism=par, compile_config=CompileConfig(),
         ac_config=None, dump_folder=str(root),
     )  # fmt: skip
 
 
 def _load_balancing(model, optimizers) -> None:
-    """torchtitan's own load-balancing hook on the optimizer, after a forward pass has counted
-    the tokens each expert got: the step updates ``expert_bias_E`` as training does."""
+    import torch
+
+    load_balancing(model, optimizers, torch.randint(0, DIMS[-1], (2, SEQ), generator=torch.Generator().manual_seed(7)))
+
+
+def load_balancing(model, optimizers, tokens) -> None:
+    """torchtitan's own load-balancing hook on the optimizer, after a forward pass of ``tokens``
+    has counted the tokens each expert got: the step updates ``expert_bias_E`` as training does."""
     import torch
     import torchtitan.distributed.parallel_dims as pd
     from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
@@ -193,8 +205,7 @@ def _load_balancing(model, optimizers) -> None:
     dims = pd.ParallelDims(dp_replicate=1, dp_shard=WORLD, cp=1, tp=1, pp=1, ep=1, world_size=WORLD)
     dims.build_mesh()
     register_moe_load_balancing_hook(optimizers, [model], dims)
-    tokens = torch.randint(0, DIMS[-1], (2, SEQ), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(SEQ).repeat(2, 1)
+    positions = torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)
     with torch.no_grad():
         model(tokens, positions, model.get_attention_masks(positions=positions))
 
