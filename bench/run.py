@@ -834,7 +834,7 @@ def case_quant(a: argparse.Namespace, tmp: Path) -> str:
     subprocess.run([PY, str(HERE / "lora_ckpt.py"), "base", str(sharded), str(size)], check=True)
     subprocess.run(streamck("rewrite", str(sharded), "-o", str(one), "-q"), check=True)  # one model.safetensors
     out, sections = tmp / "out", []
-    for scheme in QUANT_SCHEMES:
+    for scheme in a.schemes.split(","):
         for label, base in (("in shards", sharded), ("one file", one)):
             runs, verdict = _quant_runs(a, base, scheme, out)
             shards = len(list(base.glob("*.safetensors")))
@@ -849,9 +849,6 @@ def case_quant(a: argparse.Namespace, tmp: Path) -> str:
         f"vocab 32000), with --quantize-ignore lm_head. {a.reps} interleaved reps, {a.settle:.0f} s settle. "
         f"`python -c 'import torch'` alone peaks at {mib(torch_rss)}.\n\n" + "\n\n".join(sections)
     )
-
-
-QUANT_SCHEMES = ("FP8_BLOCK", "NVFP4A16")
 
 
 def _quant_runs(a: argparse.Namespace, base: Path, scheme: str, out: Path) -> tuple[dict, str]:
@@ -924,6 +921,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=10.0, help="seconds of idle before each timed child")
     p.add_argument("--shards", type=int, default=1000, help="index: shard count")
     p.add_argument("--tensors", type=int, default=100, help="index: tensors per shard")
+    p.add_argument("--schemes", default="FP8_BLOCK,NVFP4A16", help="quant: the schemes, comma-separated")
     p.add_argument("--eagle-scale", type=int, default=2, help="eagle4: divide the 70B-target draft's sizes by this")
     p.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md alone")
     a = p.parse_args()
