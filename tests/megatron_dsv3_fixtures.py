@@ -20,7 +20,9 @@ groups of which 1 is chosen. ``dsv3_yarn``: YaRN RoPE, every layer MoE (``moe_la
 stacked under one key each), no groups. ``dsv3_noq``: one query projection (``q_lora_rank`` None)
 without ``qk_layernorm``, so no norm on the kv latent (megatron-core 0.19.2 builds a norm before
 ``linear_q_proj`` under ``qk_layernorm`` without ``q_lora_rank``, which needs Transformer Engine's
-fused norm-linear): HF DeepseekV3 has a place for neither form.
+fused norm-linear): HF DeepseekV3 has a place for neither form. ``dsv3_te``: ``dsv3`` saved under
+Transformer Engine's names for its norms (TE_NAMES: where DeepSeek-V3 runs, on TE, keep them), by
+megatron-core's own ``sharded_state_dict_keys_map``.
 
 What it took on CPU, besides bench/megatron_ckpt.py's stand-ins (triton at import, ``torch.cuda``
 synchronize/device/RNG state) and the ``allgather`` token dispatcher (``alltoall`` creates a CUDA
@@ -50,6 +52,16 @@ MODELS = {
     "dsv3_yarn": (2, 1, 24, (None, None), "yarn", True),
     "dsv3_noq": (1, 1, None, (None, None), "rope", False),
 }
+MODELS["dsv3_te"] = MODELS["dsv3"]  # saved under Transformer Engine's norm names (TE_NAMES)
+# megatron-core's own key map (a layer spec's ``sharded_state_dict_keys_map``, as its local non-MLA
+# spec uses) from the local spec's norms to where the TE spec fuses them into the next linear: the
+# q / kv latent norms into ``linear_q_up_proj`` / ``linear_kv_up_proj``, a dense layer's pre-MLP norm
+# into ``mlp.linear_fc1`` (MoE layers keep ``pre_mlp_layernorm``, a TENorm).
+TE_NAMES = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
+TE_DENSE = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 YARN = dict(rotary_scaling_factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
             mscale=1.0, mscale_all_dim=1.0)  # fmt: skip
 BIAS_RATE = 0.05
@@ -86,7 +98,7 @@ def _mla_core_attention():
     return MLADotProductAttention
 
 
-def build(dims: tuple, ep: int):
+def build(dims: tuple, ep: int, te_names: bool = False):
     import torch.nn.functional as fn
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -100,9 +112,12 @@ def build(dims: tuple, ep: int):
     )  # fmt: skip
     # megatron-core's block spec: a dense layer where moe_layer_freq says 0, the local (non-TE) modules.
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    for layer in spec.layer_specs:
+    freq = dims[1] if isinstance(dims[1], list) else [int(i % dims[1] == 0) for i in range(dims[0])]
+    for layer, moe in zip(spec.layer_specs, freq, strict=True):
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = _mla_core_attention()
+        if te_names:
+            layer.submodules.sharded_state_dict_keys_map = {**TE_NAMES, **({} if moe else TE_DENSE)}
     return GPTModel(
         config, transformer_layer_spec=spec, vocab_size=V, max_sequence_length=64, parallel_output=False,
         position_embedding_type="rope", share_embeddings_and_output_weights=False,
@@ -185,7 +200,7 @@ def _save(name: str, dims: tuple, root: Path, rank: int, world: int) -> None:
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(0)
-    model = build(dims, world)
+    model = build(dims, world, te_names=name == "dsv3_te")
     tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))
     _train_step(model, model.config, tokens)
     biases = [m.expert_bias for m in model.modules() if getattr(m, "expert_bias", None) is not None]

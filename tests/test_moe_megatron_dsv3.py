@@ -2,7 +2,8 @@
 ``dist_checkpointing.save`` wrote after one training step with expert parallelism 2 (2 gloo ranks
 under torchrun: tests/megatron_dsv3_fixtures.py): multi-latent attention, dense first layer,
 shared expert, sigmoid group-limited routing with a trained ``router.expert_bias``, plain RoPE and
-YaRN, the family from the config beside the run (``model_type: deepseek_v3``). Oracles: megatron-
+YaRN, the norms under the local spec's names and under Transformer Engine's, the family from the
+config beside the run (``model_type: deepseek_v3``). Oracles: megatron-
 core's own forward (EP=2) against transformers' DeepseekV3ForCausalLM loading the output, the same
 forward with the routing bias zeroed on both sides, and transformers' own save_pretrained names."""
 
@@ -61,7 +62,7 @@ def _logits(model, tokens):
         return model(input_ids=tokens).logits
 
 
-@pytest.mark.parametrize("name", ["dsv3", "dsv3_yarn"])
+@pytest.mark.parametrize("name", ["dsv3", "dsv3_yarn", "dsv3_te"])
 def test_logits_and_names_match(megatron_dsv3, tmp_path, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
