@@ -94,6 +94,20 @@ def test_routing_bias_is_carried(megatron_dsv3, tmp_path):
     torch.testing.assert_close(_logits(model, oracle["tokens"]), oracle["unbiased"], rtol=0, atol=ATOL)
 
 
+def test_dtype_keeps_the_bias_in_float32_as_save_pretrained(megatron_dsv3, tmp_path):
+    """``--dtype bf16``: what transformers' save_pretrained writes from the model loaded in bf16
+    (its DeepseekV3 keeps ``e_score_correction_bias`` in float32), tensor for tensor and dtype."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cli("rewrite", megatron_dsv3["dsv3"], "-o", tmp_path / "hf", "--plan", PLAN, "--dtype", "bf16", check=0)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).save_pretrained(tmp_path / "again")
+    want, mine = load_file(tmp_path / "again" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(mine) == set(want)
+    assert all(mine[k].dtype == want[k].dtype and torch.equal(mine[k], want[k]) for k in want)
+    assert mine["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
 def test_experts_read_from_their_expert_parallel_rank(megatron_dsv3):
     from streamck.api import build_plan
 
