@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import built_once, cli, says_the_plan
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -168,3 +168,8 @@ def test_ls_says_moe(megatron_dsv3):
     """Per-layer expert keys ([E, 2F, H], dense layers mixed in) and stacked ones ([L, E, 2F, H])."""
     for name in ("dsv3", "dsv3_yarn"):
         assert "MoE: 4 experts, fused (Megatron's grouped layout, 2 blocks)" in cli("ls", megatron_dsv3[name]).stdout
+
+
+@pytest.mark.parametrize("name", ["dsv3", "dsv3_yarn"])
+def test_a_rewrite_without_the_plan_names_it(megatron_dsv3, name):
+    says_the_plan(megatron_dsv3[name], PLAN)
