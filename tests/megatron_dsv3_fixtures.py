@@ -22,7 +22,8 @@ without ``qk_layernorm``, so no norm on the kv latent (megatron-core 0.19.2 buil
 ``linear_q_proj`` under ``qk_layernorm`` without ``q_lora_rank``, which needs Transformer Engine's
 fused norm-linear): HF DeepseekV3 has a place for neither form. ``dsv3_te``: ``dsv3`` saved under
 Transformer Engine's names for its norms (TE_NAMES: where DeepSeek-V3 runs, on TE, keep them), by
-megatron-core's own ``sharded_state_dict_keys_map``.
+megatron-core's own ``sharded_state_dict_keys_map``. ``dsv3_tp2``: ``dsv3`` at tensor parallel 2
+(_save_tp).
 
 What it took on CPU, besides bench/megatron_ckpt.py's stand-ins (triton at import, ``torch.cuda``
 synchronize/device/RNG state) and the ``allgather`` token dispatcher (``alltoall`` creates a CUDA
@@ -98,7 +99,7 @@ def _mla_core_attention():
     return MLADotProductAttention
 
 
-def build(dims: tuple, ep: int, te_names: bool = False):
+def build(dims: tuple, ep: int, te_names: bool = False, tp: int = 1):
     import torch.nn.functional as fn
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -109,6 +110,7 @@ def build(dims: tuple, ep: int, te_names: bool = False):
         layernorm_epsilon=1e-6, add_bias_linear=False, use_cpu_initialization=True, init_method_std=0.1,
         hidden_dropout=0.0, attention_dropout=0.0, kv_channels=DV, num_moe_experts=E, expert_model_parallel_size=ep,
         moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+        tensor_model_parallel_size=tp,
     )  # fmt: skip
     # megatron-core's block spec: a dense layer where moe_layer_freq says 0, the local (non-TE) modules.
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -226,6 +228,47 @@ def _save(name: str, dims: tuple, root: Path, rank: int, world: int) -> None:
         torch.save({"tokens": tokens, "logits": logits, "unbiased": unbiased}, root / name / "oracle.pt")
 
 
+def _save_tp(root: Path, rank: int, world: int) -> None:
+    """``dsv3_tp2``: ``dsv3`` at tensor parallel 2, expert parallel 1 (each rank's rows of the
+    column-parallel projections and experts, its columns of ``linear_proj`` / ``linear_fc2``), saved
+    as initialised with a routing bias set by hand (MoE with TP needs sequence parallelism, whose
+    torch norms refuse the CPU: no training step); its oracle is the forward of megatron-core's own
+    load of it into a TP=1 model."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    dims, step = MODELS["dsv3"], root / "dsv3_tp2" / f"iter_{ITERATION:07d}"
+    for tp in (world, 1):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(123)
+        torch.manual_seed(0)
+        model = build(dims, 1, tp=tp)
+        if tp == 1:  # megatron-core's own reader, then its forward
+            model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step))["model"])
+            break
+        routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+        with torch.no_grad():
+            for k, router in enumerate(routers):
+                router.expert_bias.copy_(torch.linspace(-0.2, 0.2, E) * (k + 1))
+        if rank == 0:
+            step.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        saved = args(dims, world)
+        saved.tensor_model_parallel_size, saved.expert_model_parallel_size = world, 1
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": saved, "iteration": ITERATION,
+                                 "checkpoint_version": 3.0}, str(step))  # fmt: skip
+    tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = _forward(model.eval(), tokens)
+    if rank == 0:
+        (step.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        (step.parent / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
+        torch.save({"tokens": tokens, "logits": logits}, step.parent / "oracle.pt")
+
+
 def main(root: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -244,6 +287,8 @@ def main(root: Path) -> None:
         for name, dims in MODELS.items():
             _save(name, dims, root, rank, world)
             dist.barrier()
+        _save_tp(root, rank, world)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -2,10 +2,11 @@
 ``dist_checkpointing.save`` wrote after one training step with expert parallelism 2 (2 gloo ranks
 under torchrun: tests/megatron_dsv3_fixtures.py): multi-latent attention, dense first layer,
 shared expert, sigmoid group-limited routing with a trained ``router.expert_bias``, plain RoPE and
-YaRN, the norms under the local spec's names and under Transformer Engine's, the family from the
-config beside the run (``model_type: deepseek_v3``). Oracles: megatron-
-core's own forward (EP=2) against transformers' DeepseekV3ForCausalLM loading the output, the same
-forward with the routing bias zeroed on both sides, and transformers' own save_pretrained names."""
+YaRN, the norms under the local spec's names and under Transformer Engine's, and a tensor-parallel
+2 save (its oracle megatron-core's own load of it at TP=1); the family from the config beside the
+run (``model_type: deepseek_v3``). Oracles: megatron-core's own forward against transformers'
+DeepseekV3ForCausalLM loading the output, the same forward with the routing bias zeroed on both
+sides, and transformers' own save_pretrained names and dtypes."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _logits(model, tokens):
         return model(input_ids=tokens).logits
 
 
-@pytest.mark.parametrize("name", ["dsv3", "dsv3_yarn", "dsv3_te"])
+@pytest.mark.parametrize("name", ["dsv3", "dsv3_yarn", "dsv3_te", "dsv3_tp2"])
 def test_logits_and_names_match(megatron_dsv3, tmp_path, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -119,6 +120,17 @@ def test_experts_read_from_their_expert_parallel_rank(megatron_dsv3):
             ranks.setdefault(t.source.paths[0].name, set()).add(int(t.name.split(".experts.")[1].split(".")[0]))
     assert sorted(map(sorted, ranks.values())) == [[0, 1], [2, 3]]
     assert not any(".mlp.experts." in t.name for t in plan.tensors if t.name.startswith("model.layers.0."))
+
+
+def test_tensor_parallel_save_is_read_from_both_ranks(megatron_dsv3):
+    """At TP=2 each rank holds half the rows of the column-parallel projections and of each
+    expert's gate and up: an output is read from both ranks' files, exactly its own bytes."""
+    from streamck.api import build_plan
+
+    plan = build_plan(megatron_dsv3["dsv3_tp2"], plan=PLAN)
+    for name in ("model.layers.1.self_attn.kv_b_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight"):
+        out = next(t for t in plan.tensors if t.name == name)
+        assert len(out.source.paths) == 2 and sum(r.length for r in out.source.runs()) == out.nbytes, name
 
 
 def _case(src: Path, tmp_path: Path, rope: dict | None = None, **config) -> Path:
