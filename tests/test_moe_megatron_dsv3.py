@@ -147,6 +147,8 @@ def _case(src: Path, tmp_path: Path, rope: dict | None = None, **config) -> Path
     "case, config, message",
     [
         ("dsv3", {"n_routed_experts": 8}, "n_routed_experts is 8, the checkpoint's args.num_experts 4"),
+        ("dsv3", {"intermediate_size": 64}, "intermediate_size is 64, the checkpoint's args.ffn_hidden_size 48"),
+        ("dsv3", {"num_experts_per_tok": 1}, "num_experts_per_tok is 1, the checkpoint's args route to 2"),
         ("dsv3", {"first_k_dense_replace": 0}, "first_k_dense_replace is 0, the checkpoint's args.moe_layer_freq"),
         ("dsv3", {"topk_group": 2}, "n_group/topk_group are 2/2, the checkpoint's args"),
         ("dsv3", {"routed_scaling_factor": 1.0}, "routed_scaling_factor is 1.0, the checkpoint's args"),

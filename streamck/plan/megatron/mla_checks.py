@@ -78,6 +78,8 @@ def config_sizes(config: dict, where: Path) -> dict[str, int]:
 def check_args(args: dict, config: dict, sizes: dict[str, int], config_path: Path) -> None:
     """Each size, the dense layers, routing and RoPE of ``args`` equal to the config's."""
     for key, arg in SIZES.items():
+        if key == "intermediate_size" and not sizes["K"]:
+            continue  # no dense layer: the config's dense MLP size is never used
         if args.get(arg) is not None and args[arg] != config.get(key):
             raise PlanError(f"{key} is {config.get(key)!r}, the checkpoint's args.{arg} {args[arg]!r}", config_path)
     if "q_lora_rank" in args and args["q_lora_rank"] != config.get("q_lora_rank"):
@@ -115,7 +117,7 @@ def check_routing(args: dict, config: dict, where: Path) -> None:
         raise PlanError(f"the checkpoint's args.moe_router_score_function is {score!r}: DeepseekV3 routes by "
                         "sigmoid scores", where)  # fmt: skip
     topk = args.get("moe_router_topk")
-    if topk != config.get("num_experts_per_tok"):
+    if type(topk) is not int or topk != config.get("num_experts_per_tok"):
         raise PlanError(f"num_experts_per_tok is {config.get('num_experts_per_tok')!r}, the checkpoint's args "
                         f"route to {topk!r}", where)  # fmt: skip
     if bool(config.get("norm_topk_prob")) != (topk > 1):
