@@ -9,7 +9,8 @@ into q, k and v (and RoPE pairs reordered when Megatron rotated interleaved pair
 checkpoint's own ``args`` (a pickled ``argparse.Namespace`` in the ``common_state`` item,
 read as inert data) and, where given, a Hugging Face config (``--hf-config``, or
 ``config.json`` beside the step) that must agree with them; without one, the output's
-``config.json`` is built from ``args``.
+``config.json`` is built from ``args``. A multi-latent-attention model (DeepSeek-V3) goes to
+mla.py, which needs a DeepseekV3 config.
 """
 
 from __future__ import annotations
