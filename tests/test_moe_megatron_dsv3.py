@@ -160,7 +160,7 @@ def _case(src: Path, tmp_path: Path, rope: dict | None = None, **config) -> Path
         ("dsv3_yarn", {"rope": {"factor": 8.0}}, "rope_parameters.factor is 8.0, the checkpoint's args"),
         ("dsv3_yarn", {"rope": {"mscale_all_dim": 0.0}}, "rope_parameters.mscale_all_dim is 0.0"),
         # megatron-core's own save with q_lora_rank None and no qk_layernorm: no norm on the kv latent
-        ("dsv3_noq", {}, "1 missing: decoder.layers.self_attention.kv_layernorm.weight"),
+        ("dsv3_noq", {}, "args.qk_layernorm is off: Megatron's MLA then has no norm on its q / kv latents"),
     ],
 )
 def test_refused(megatron_dsv3, tmp_path, case, config, message):

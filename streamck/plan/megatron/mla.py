@@ -112,9 +112,13 @@ def _bias_in_f32(plan: Plan, rules: Rules) -> Plan:
 
 
 def _refuse(keys: dict[str, TensorRef], args: dict, where: Path) -> None:
-    """What HF DeepseekV3 has no place for: MTP layers, and the tensors of mla_layout.NO_PLACE."""
+    """What HF DeepseekV3 has no place for or cannot do without: MTP layers, the tensors of
+    mla_layout.NO_PLACE, latents without their norms."""
     if args.get("mtp_num_layers") or any(k.startswith(MTP_PREFIX) for k in keys):
         raise PlanError(f"multi-token-prediction layers ({MTP_PREFIX}…, args.mtp_num_layers) are not converted", where)
+    if args.get("qk_layernorm") is False:
+        raise PlanError("args.qk_layernorm is off: Megatron's MLA then has no norm on its q / kv latents, which "
+                        "HF DeepseekV3 applies (q_a_layernorm, kv_a_layernorm)", where)  # fmt: skip
     for key in keys:
         suffix = PER_LAYER.sub("", key).removeprefix(PREFIX)
         if suffix in NO_PLACE:
