@@ -82,7 +82,6 @@ TRAINING_STATE = ("optimizer.", "rng_state", "common_state")
 # Megatron's args that change the layout and are refused (streamck writes no HF model for them).
 REFUSED_ARGS = {
     "attention_output_gate": "a gated attention output (its gate rows inside linear_qkv)",
-    "multi_latent_attention": "multi-latent attention",
     "add_bias_linear": "biases on every linear layer",
 }
 # The Hugging Face model for a GPTModel of these features (architecture, model_type).

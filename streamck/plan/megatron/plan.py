@@ -9,7 +9,8 @@ into q, k and v (and RoPE pairs reordered when Megatron rotated interleaved pair
 checkpoint's own ``args`` (a pickled ``argparse.Namespace`` in the ``common_state`` item,
 read as inert data) and, where given, a Hugging Face config (``--hf-config``, or
 ``config.json`` beside the step) that must agree with them; without one, the output's
-``config.json`` is built from ``args``.
+``config.json`` is built from ``args``. A multi-latent-attention model (DeepSeek-V3) goes to
+mla.py, which needs a DeepseekV3 config.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ from streamck.plan.megatron.layout import (
     TRACKER,
     TRAINING_STATE,
 )
+from streamck.plan.megatron.mla import mla_plan
 from streamck.plan.megatron.moe import moe_outputs, moe_sizes
 from streamck.plan.rules import Rules
 from streamck.source import TensorRef, open_checkpoint
 from streamck.source.select import Rows, select
 
 PLAN = "megatron-gpt"
+MLA_KEY = "self_attention.linear_kv_down_proj.weight"  # multi-latent attention (--plan's DeepSeek-V3)
 # Args whose values must equal the Hugging Face config's, by shape symbol.
 CROSS_CHECKED = ("L", "H", "nh", "nkv", "d", "I")
 # The arg behind each shape symbol, named when its value is refused.
@@ -188,6 +191,8 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     ckpt = open_checkpoint(step)
     keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     _refuse_features(args, keys, step)
+    if args.get("multi_latent_attention") or any(k.endswith(MLA_KEY) for k in keys):
+        return mla_plan(ckpt, step, args, keys, hf_config, rules, iteration)
     moe = MOE_FC1[0] in keys or bool(args.get("num_experts"))
     sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config, moe)
     bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
