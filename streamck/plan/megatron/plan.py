@@ -33,8 +33,10 @@ from streamck.plan.megatron.layout import (
     LAYER,
     MOE_FC1,
     MOE_FC2,
+    MOE_PRE_MLP_NORM,
     MOE_ROUTER,
     MOE_SHARED,
+    POST_ATTN_NORM,
     QK_NORM,
     QKV_BIAS,
     REFUSED_ARGS,
@@ -198,6 +200,8 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
     table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
     table = [r for r in table if not (moe and r[1] in DENSE_MLP)]  # MoE layers: experts instead
+    if moe and MOE_PRE_MLP_NORM in keys:  # Transformer Engine's name for it
+        table = [(hf, MOE_PRE_MLP_NORM if key == POST_ATTN_NORM else key, k, e) for hf, key, k, e in table]
     if moe:
         found = {"q/k norms": norms, "a qkv bias": bias, "a shared expert": MOE_SHARED[0][1] in keys}
         found["a shared expert gate"] = MOE_SHARED[3][1] in keys
