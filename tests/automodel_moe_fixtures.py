@@ -1,0 +1,184 @@
+"""NeMo Automodel 0.7.0 MoE steps, written by its own Qwen3-MoE model and ``Checkpointer`` under
+torchrun on CPU/gloo, as its recipe ``train_ft`` saves them.
+
+``make_automodel_moe_runs(root)`` launches ``torchrun --nproc_per_node 2``. Every rank builds
+Automodel's ``Qwen3MoeForCausalLM`` (components/models/qwen3_moe: grouped experts
+``experts.gate_and_up_projs`` [E, H, 2I] and ``experts.down_projs`` [E, I, H], torch backends, the
+defaults without a GPU), records the pre-shard Hugging Face keys as
+``apply_model_infrastructure`` does, and shards it with ``parallelize_model`` (what
+``_shard_ep_fsdp`` calls) over ``MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))``:
+expert parallelism 2 (each rank holds 2 of the 4 experts) and FSDP over both ranks. It trains two
+AdamW steps and after each saves a step as ``BaseRecipe.save_checkpoint`` does
+(``lifecycle.reserve``, ``save_losses``, ``model.save_pretrained(checkpointer=…)``,
+``save_optimizer``, ``save_config``, ``lifecycle.publish``, which sets ``LATEST``), into three run
+roots, one per checkpoint config a user picks:
+
+* ``sharded/``: ``model_save_format: safetensors``, ``save_consolidated: false`` (what Automodel
+  recommends for large models): torch's sharded safetensors in ``model/``, one file per rank,
+  config.json and ``fqn_to_file_index_mapping.json`` in ``model/.hf_metadata/``;
+* ``consolidated/``: ``save_consolidated: final``: the last step also holds ``model/consolidated/``,
+  Automodel's own consolidation of those shards;
+* ``torch_save/``: native DCP in ``model/`` and no config.json anywhere.
+
+Automodel's state-dict adapter (``MoESplitExpertsStateDictMixin``) writes every expert under
+save_pretrained's per-expert names in all three. Oracles: ``hf/``, transformers'
+``from_pretrained`` of the adapter's own ``to_hf`` of the live weights, then ``save_pretrained``;
+``automodel_logits.pt``, Automodel's own forward of the trained weights on ``moe_models.logits``'s
+tokens, in fp32 on one rank (training computes in bf16: Automodel's FSDP2 mixed-precision default).
+
+The one patch, in this driver only: Automodel's Qwen3-MoE builds its rotary embedding for
+``cuda:{torch.cuda.current_device()}``, which a CPU torch refuses; ``current_device`` answers 0
+while the model is built, and ``initialize_weights(buffer_device=cpu)`` moves it to the CPU (as the
+recipe does for its device). Built once into ``root/automodel-moe-<versions>-v<FIXTURE_VERSION>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import built_once
+from moe_models import VOCAB, tiny_config
+from trainer_fixtures import _free_port
+
+FIXTURE_VERSION = 1
+STEPS = 2
+# run root -> (model_save_format, save_consolidated)
+RUNS = {
+    "sharded": ("safetensors", "false"),
+    "consolidated": ("safetensors", "final"),
+    "torch_save": ("torch_save", "false"),
+}
+
+
+def _model():
+    """Automodel's Qwen3-MoE, fp32, built on the CPU (see the module's doc for the one patch)."""
+    import torch
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+
+    config = tiny_config("qwen3_moe", dtype="float32", architectures=["Qwen3MoeForCausalLM"])
+    backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch")
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        torch.manual_seed(11)
+        model = Qwen3MoeForCausalLM(config, backend=backend)
+    finally:
+        torch.cuda.current_device = current
+    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    return model
+
+
+def _save_step(model, opt, mesh, root: Path, run: str, step: int, loss: float) -> None:
+    """One step saved as BaseRecipe.save_checkpoint saves it, with ``run``'s checkpoint config."""
+    import torch.distributed as dist
+    from nemo_automodel.components.checkpoint.checkpointing import save_config, save_losses
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    fmt, consolidated = RUNS[run]
+    config = CheckpointingConfig(checkpoint_dir=str(root / run), model_save_format=fmt, save_consolidated=consolidated)
+    checkpointer = config.build(dp_rank=dist.get_rank(), tp_rank=0, pp_rank=0, moe_mesh=mesh.moe_mesh)
+    path = str(root / run / f"epoch_0_step_{step}")
+    checkpointer.lifecycle.reserve(path)
+    if dist.get_rank() == 0:
+        save_losses({"train_loss": loss}, path)
+    dist.barrier()
+    model.save_pretrained(save_directory=path, checkpointer=checkpointer, is_final_checkpoint=step == STEPS)
+    checkpointer.save_optimizer(opt, model, path, None)
+    recipe = {"recipe": "TrainFinetuneRecipeForNextTokenPrediction"}
+    save_config({**recipe, "checkpoint": {"model_save_format": fmt, "save_consolidated": consolidated}}, path)
+    checkpointer.lifecycle.publish(path, best_val_metric=None, metric_key=None)
+    checkpointer.close()
+
+
+def _oracles(model, root: Path) -> None:
+    """``hf/`` and ``automodel_logits.pt`` (see the module's doc)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        plain = _model()  # unsharded, fp32: the trained weights without FSDP's bf16 compute
+        plain.load_state_dict(full)
+        ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % VOCAB  # the tokens moe_models.logits runs
+        with torch.no_grad():
+            torch.save(plain.eval()(ids).logits, root / "automodel_logits.pt")
+        hf = model.state_dict_adapter.to_hf({k: v.detach().clone() for k, v in full.items()})
+        src = root / "to_hf"
+        src.mkdir()
+        save_file({k: v.contiguous() for k, v in hf.items()}, src / "model.safetensors", metadata={"format": "pt"})
+        config = root / "sharded" / f"epoch_0_step_{STEPS}" / "model" / ".hf_metadata" / "config.json"
+        (src / "config.json").write_bytes(config.read_bytes())
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(root / "hf")
+    dist.barrier()
+
+
+def _worker(root: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from nemo_automodel.components.distributed.config import FSDP2Config
+    from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
+    from nemo_automodel.components.moe.parallelizer import parallelize_model
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    dist.init_process_group("gloo")
+    model = _model()
+    hf_keys = model.state_dict_adapter.get_hf_state_dict_keys(model.state_dict())
+    mesh = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))
+    parallelize_model(model, world_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh, **mesh.parallelize_axis_kwargs())
+    model._pre_shard_hf_state_dict_keys = hf_keys
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
+    for step in range(1, STEPS + 1):
+        ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+        out = model(ids).logits
+        loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for run in RUNS:
+            _save_step(model, opt, mesh, root, run, step, loss.item())
+    _oracles(model, root)
+    dist.destroy_process_group()
+
+
+def _versions() -> str:
+    import nemo_automodel
+    import torch
+    import transformers
+
+    versions = (nemo_automodel.__version__, transformers.__version__, torch.__version__)
+    return "nemo_automodel-{}-transformers-{}-torch-{}".format(*versions)
+
+
+def make_automodel_moe_runs(root: Path) -> Path:
+    """Build (once) the runs under ``root`` and return their folder: ``sharded/``,
+    ``consolidated/``, ``torch_save/`` (each ``epoch_0_step_1``, ``epoch_0_step_2``, ``LATEST``),
+    ``hf/`` and ``automodel_logits.pt``."""
+    base = Path(root) / f"automodel-moe-{_versions()}-v{FIXTURE_VERSION}"
+
+    def build(tmp: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={_free_port()}", __file__, str(tmp), "rank"]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"Automodel MoE run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        (tmp / "runs.json").write_text(json.dumps(sorted(RUNS)))
+
+    return built_once(base, build)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3:  # a torchrun rank
+        _worker(Path(sys.argv[1]))
+    else:
+        print(make_automodel_moe_runs(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/automodel-moe-fixtures")))
