@@ -4,7 +4,7 @@ STEP -o out`` and of the run root with ``--step latest`` as ``save_pretrained`` 
 weights, bit for bit: per-expert tensors, loading in ``from_pretrained`` with no missing or
 unexpected keys and Automodel's own logits. Every checkpoint config a user picks: sharded
 safetensors (``save_consolidated: false``), Automodel's consolidation (``final``), and native DCP
-(``model_save_format: torch_save``)."""
+(``model_save_format: torch_save``), which saves no config.json."""
 
 from __future__ import annotations
 
@@ -82,6 +82,17 @@ def test_consolidated_step_equals_automodel_consolidation(runs, tmp_path):
             theirs |= {k: h.get_tensor(k) for k in h.keys()}
     ours = _tensors(tmp_path / "out")
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_torch_save_step_says_add_the_config(runs, tmp_path):
+    """Native DCP (torch_save) saves no config.json: the rewrite says so; with the model's config
+    added, as the note says, it is save_pretrained's."""
+    done = cli("rewrite", runs / "torch_save", "--step", "latest", "-o", tmp_path / "out", check=0)
+    notes = [line for line in done.stderr.splitlines() if "config.json" in line]
+    assert len(notes) == 1 and "torch_save" in notes[0], done.stderr
+    assert not (tmp_path / "out" / "config.json").exists()
+    shutil.copy(runs / "hf" / "config.json", tmp_path / "out" / "config.json")
+    _is_save_pretrained(tmp_path / "out", runs)
 
 
 def test_ls_says_per_expert(runs):
