@@ -1,17 +1,25 @@
-"""NeMo Automodel 0.7.0 MoE steps, written by its own Qwen3-MoE model and ``Checkpointer`` under
-torchrun on CPU/gloo, as its recipe ``train_ft`` saves them.
+"""NeMo Automodel 0.7.0 MoE steps, written by its model code and ``Checkpointer`` under torchrun
+on CPU/gloo, as its recipe ``train_ft`` saves them, for the two kinds of MoE it trains.
 
-``make_automodel_moe_runs(root)`` launches ``torchrun --nproc_per_node 2``. Every rank builds
-Automodel's ``Qwen3MoeForCausalLM`` (components/models/qwen3_moe: grouped experts
-``experts.gate_and_up_projs`` [E, H, 2I] and ``experts.down_projs`` [E, I, H], torch backends, the
-defaults without a GPU), records the pre-shard Hugging Face keys as
-``apply_model_infrastructure`` does, and shards it with ``parallelize_model`` (what
-``_shard_ep_fsdp`` calls) over ``MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))``:
-expert parallelism 2 (each rank holds 2 of the 4 experts) and FSDP over both ranks. It trains two
+``make_automodel_moe_runs(root)`` launches ``torchrun --nproc_per_node 2``. Every rank builds, in turn:
+
+* ``qwen3_moe``: Automodel's own ``Qwen3MoeForCausalLM`` (components/models/qwen3_moe: grouped
+  experts ``experts.gate_and_up_projs`` [E, H, 2I] and ``experts.down_projs`` [E, I, H], torch
+  backends, the defaults without a GPU), sharded by the MoE ``parallelize_model`` (what
+  ``_shard_ep_fsdp`` calls) over ``MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))``:
+  expert parallelism 2 (each rank holds 2 of the 4 experts) and FSDP over both ranks. Its
+  state-dict adapter (``MoESplitExpertsStateDictMixin``) saves every expert under
+  save_pretrained's per-expert names.
+* ``mixtral``: transformers' ``MixtralForCausalLM`` (Automodel 0.7.0 has no Mixtral of its own, so
+  it trains the Hugging Face model), sharded by Automodel's FSDP2 ``model_parallelizer
+  .parallelize_model`` over both ranks. There is no adapter: it saves transformers' fused runtime
+  experts ``mlp.experts.gate_up_proj`` / ``down_proj``, and so does Automodel's consolidation.
+
+Each records its pre-shard Hugging Face keys as ``apply_model_infrastructure`` does, trains two
 AdamW steps and after each saves a step as ``BaseRecipe.save_checkpoint`` does
-(``lifecycle.reserve``, ``save_losses``, ``model.save_pretrained(checkpointer=…)``,
-``save_optimizer``, ``save_config``, ``lifecycle.publish``, which sets ``LATEST``), into three run
-roots, one per checkpoint config a user picks:
+(``lifecycle.reserve``, ``save_losses``, ``model.save_pretrained(checkpointer=…)`` or
+``checkpointer.save_model``, ``save_optimizer``, ``save_config``, ``lifecycle.publish``, which sets
+``LATEST``), into three run roots, one per checkpoint config a user picks:
 
 * ``sharded/``: ``model_save_format: safetensors``, ``save_consolidated: false`` (what Automodel
   recommends for large models): torch's sharded safetensors in ``model/``, one file per rank,
@@ -20,11 +28,10 @@ roots, one per checkpoint config a user picks:
   Automodel's own consolidation of those shards;
 * ``torch_save/``: native DCP in ``model/`` and no config.json anywhere.
 
-Automodel's state-dict adapter (``MoESplitExpertsStateDictMixin``) writes every expert under
-save_pretrained's per-expert names in all three. Oracles: ``hf/``, transformers'
-``from_pretrained`` of the adapter's own ``to_hf`` of the live weights, then ``save_pretrained``;
-``automodel_logits.pt``, Automodel's own forward of the trained weights on ``moe_models.logits``'s
-tokens, in fp32 on one rank (training computes in bf16: Automodel's FSDP2 mixed-precision default).
+Oracles, per family: ``hf/``, transformers' ``save_pretrained`` of the trained weights (for
+``qwen3_moe``, ``from_pretrained`` of the adapter's own ``to_hf`` of them); ``logits.pt``, the
+trainer's model's forward of the trained weights on ``moe_models.logits``'s tokens, in fp32 on one
+rank (training computes in bf16: Automodel's FSDP2 mixed-precision default).
 
 The one patch, in this driver only: Automodel's Qwen3-MoE builds its rotary embedding for
 ``cuda:{torch.cuda.current_device()}``, which a CPU torch refuses; ``current_device`` answers 0
@@ -41,10 +48,11 @@ import sys
 from pathlib import Path
 
 from helpers import built_once
-from moe_models import VOCAB, tiny_config
+from moe_models import VOCAB, tiny_config, tiny_model
 from trainer_fixtures import _free_port
 
-FIXTURE_VERSION = 1
+FIXTURE_VERSION = 2
+FAMILIES = ("qwen3_moe", "mixtral")
 STEPS = 2
 # run root -> (model_save_format, save_consolidated)
 RUNS = {
@@ -54,7 +62,7 @@ RUNS = {
 }
 
 
-def _model():
+def _automodel_qwen3_moe():
     """Automodel's Qwen3-MoE, fp32, built on the CPU (see the module's doc for the one patch)."""
     import torch
     from nemo_automodel.components.models.common import BackendConfig
@@ -73,8 +81,37 @@ def _model():
     return model
 
 
+def _plain(family: str):
+    """The family's model as its trainer builds it, unsharded, fp32."""
+    return _automodel_qwen3_moe() if family == "qwen3_moe" else tiny_model(family, seed=11).train()
+
+
+def _sharded(family: str):
+    """(model, mesh): the family's model sharded as Automodel shards it, its pre-shard Hugging
+    Face keys recorded as apply_model_infrastructure records them."""
+    from nemo_automodel.components.checkpoint.checkpointing import _maybe_adapt_state_dict_to_hf
+    from nemo_automodel.components.distributed import model_parallelizer
+    from nemo_automodel.components.distributed.config import FSDP2Config
+    from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
+    from nemo_automodel.components.moe import parallelizer as moe_parallelizer
+
+    model = _plain(family)
+    if family == "qwen3_moe":
+        keys = model.state_dict_adapter.get_hf_state_dict_keys(model.state_dict())
+        mesh = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))
+        axes = mesh.parallelize_axis_kwargs()
+        moe_parallelizer.parallelize_model(model, world_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh, **axes)
+    else:
+        keys = [k for k in _maybe_adapt_state_dict_to_hf(model, model.state_dict()) if not k.endswith("_extra_state")]
+        mesh = MeshContext.build(FSDP2Config(), ParallelismSizes())
+        model = model_parallelizer.parallelize_model(model, mesh)
+    model._pre_shard_hf_state_dict_keys = keys
+    return model, mesh
+
+
 def _save_step(model, opt, mesh, root: Path, run: str, step: int, loss: float) -> None:
-    """One step saved as BaseRecipe.save_checkpoint saves it, with ``run``'s checkpoint config."""
+    """One step saved as BaseRecipe.save_checkpoint saves it, with ``run``'s checkpoint config
+    (its ``model.save_pretrained(checkpointer=…)`` is this ``save_model``)."""
     import torch.distributed as dist
     from nemo_automodel.components.checkpoint.checkpointing import save_config, save_losses
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
@@ -87,7 +124,7 @@ def _save_step(model, opt, mesh, root: Path, run: str, step: int, loss: float) -
     if dist.get_rank() == 0:
         save_losses({"train_loss": loss}, path)
     dist.barrier()
-    model.save_pretrained(save_directory=path, checkpointer=checkpointer, is_final_checkpoint=step == STEPS)
+    checkpointer.save_model(model=model, weights_path=path, is_final_checkpoint=step == STEPS)
     checkpointer.save_optimizer(opt, model, path, None)
     recipe = {"recipe": "TrainFinetuneRecipeForNextTokenPrediction"}
     save_config({**recipe, "checkpoint": {"model_save_format": fmt, "save_consolidated": consolidated}}, path)
@@ -95,8 +132,8 @@ def _save_step(model, opt, mesh, root: Path, run: str, step: int, loss: float) -
     checkpointer.close()
 
 
-def _oracles(model, root: Path) -> None:
-    """``hf/`` and ``automodel_logits.pt`` (see the module's doc)."""
+def _oracles(family: str, model, root: Path) -> None:
+    """``hf/`` and ``logits.pt`` (see the module's doc)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -105,36 +142,30 @@ def _oracles(model, root: Path) -> None:
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if dist.get_rank() == 0:
-        plain = _model()  # unsharded, fp32: the trained weights without FSDP's bf16 compute
+        plain = _plain(family).eval()  # unsharded, fp32: the trained weights without FSDP's bf16 compute
         plain.load_state_dict(full)
         ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % VOCAB  # the tokens moe_models.logits runs
         with torch.no_grad():
-            torch.save(plain.eval()(ids).logits, root / "automodel_logits.pt")
-        hf = model.state_dict_adapter.to_hf({k: v.detach().clone() for k, v in full.items()})
-        src = root / "to_hf"
-        src.mkdir()
-        save_file({k: v.contiguous() for k, v in hf.items()}, src / "model.safetensors", metadata={"format": "pt"})
-        config = root / "sharded" / f"epoch_0_step_{STEPS}" / "model" / ".hf_metadata" / "config.json"
-        (src / "config.json").write_bytes(config.read_bytes())
-        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(root / "hf")
+            torch.save(plain(ids).logits, root / "logits.pt")
+        if family != "qwen3_moe":
+            plain.save_pretrained(root / "hf")
+        else:
+            hf = model.state_dict_adapter.to_hf({k: v.detach().clone() for k, v in full.items()})
+            src = root / "to_hf"
+            src.mkdir()
+            save_file({k: v.contiguous() for k, v in hf.items()}, src / "model.safetensors", metadata={"format": "pt"})
+            config = root / "sharded" / f"epoch_0_step_{STEPS}" / "model" / ".hf_metadata" / "config.json"
+            (src / "config.json").write_bytes(config.read_bytes())
+            AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(root / "hf")
     dist.barrier()
 
 
-def _worker(root: Path) -> None:
+def _train(family: str, root: Path) -> None:
+    """Two AdamW steps of ``family``, each saved into every run root, then its oracles."""
     import torch
     import torch.distributed as dist
-    from nemo_automodel.components.distributed.config import FSDP2Config
-    from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
-    from nemo_automodel.components.moe.parallelizer import parallelize_model
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    dist.init_process_group("gloo")
-    model = _model()
-    hf_keys = model.state_dict_adapter.get_hf_state_dict_keys(model.state_dict())
-    mesh = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))
-    parallelize_model(model, world_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh, **mesh.parallelize_axis_kwargs())
-    model._pre_shard_hf_state_dict_keys = hf_keys
+    model, mesh = _sharded(family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(5 + dist.get_rank())
     for step in range(1, STEPS + 1):
@@ -146,7 +177,17 @@ def _worker(root: Path) -> None:
         opt.zero_grad()
         for run in RUNS:
             _save_step(model, opt, mesh, root, run, step, loss.item())
-    _oracles(model, root)
+    _oracles(family, model, root)
+
+
+def _worker(root: Path) -> None:
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    dist.init_process_group("gloo")
+    for family in FAMILIES:
+        _train(family, root / family)
     dist.destroy_process_group()
 
 
@@ -160,9 +201,9 @@ def _versions() -> str:
 
 
 def make_automodel_moe_runs(root: Path) -> Path:
-    """Build (once) the runs under ``root`` and return their folder: ``sharded/``,
-    ``consolidated/``, ``torch_save/`` (each ``epoch_0_step_1``, ``epoch_0_step_2``, ``LATEST``),
-    ``hf/`` and ``automodel_logits.pt``."""
+    """Build (once) the runs under ``root`` and return their folder, with one folder per family:
+    ``sharded/``, ``consolidated/``, ``torch_save/`` (each ``epoch_0_step_1``, ``epoch_0_step_2``,
+    ``LATEST``), ``hf/`` and ``logits.pt``."""
     base = Path(root) / f"automodel-moe-{_versions()}-v{FIXTURE_VERSION}"
 
     def build(tmp: Path) -> None:
@@ -172,7 +213,7 @@ def make_automodel_moe_runs(root: Path) -> Path:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode:
             raise RuntimeError(f"Automodel MoE run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        (tmp / "runs.json").write_text(json.dumps(sorted(RUNS)))
+        (tmp / "families.json").write_text(json.dumps(FAMILIES))
 
     return built_once(base, build)
 

@@ -42,8 +42,8 @@ INCOMPLETE = ".incomplete"
 HF_METADATA = Path("model", ".hf_metadata")
 # Automodel writes .hf_metadata (config, tokenizer) for safetensors saves only.
 NO_HF_METADATA = (
-    "no config.json in this Automodel step (model_save_format: torch_save saves none): copy the model's "
-    "config.json and tokenizer into the output for from_pretrained"
+    "no config.json in this Automodel step (model_save_format: torch_save saves none): put the model's "
+    "config.json and tokenizer in its model/ folder and rewrite again, for an output from_pretrained opens"
 )
 # What a directory output leaves behind of the source directory: weights (streamck writes
 # its own), their indexes, and training state, which no loader reads. Everything else
