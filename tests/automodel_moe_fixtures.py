@@ -3,13 +3,14 @@ on CPU/gloo, as its recipe ``train_ft`` saves them, for the two kinds of MoE it 
 
 ``make_automodel_moe_runs(root)`` launches ``torchrun --nproc_per_node 2``. Every rank builds, in turn:
 
-* ``qwen3_moe``: Automodel's own ``Qwen3MoeForCausalLM`` (components/models/qwen3_moe: grouped
-  experts ``experts.gate_and_up_projs`` [E, H, 2I] and ``experts.down_projs`` [E, I, H], torch
-  backends, the defaults without a GPU), sharded by the MoE ``parallelize_model`` (what
-  ``_shard_ep_fsdp`` calls) over ``MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))``:
-  expert parallelism 2 (each rank holds 2 of the 4 experts) and FSDP over both ranks. Its
-  state-dict adapter (``MoESplitExpertsStateDictMixin``) saves every expert under
-  save_pretrained's per-expert names.
+* ``qwen3_moe`` and ``deepseek_v3`` (MLA, a dense first layer, a shared expert, the routing bias
+  ``e_score_correction_bias`` that training moves): Automodel's own ``Qwen3MoeForCausalLM`` and
+  ``DeepseekV3ForCausalLM`` (components/models/: grouped experts ``experts.gate_and_up_projs``
+  [E, H, 2I] and ``experts.down_projs`` [E, I, H], torch backends, the defaults without a GPU),
+  sharded by the MoE ``parallelize_model`` (what ``_shard_ep_fsdp`` calls) over
+  ``MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))``: expert parallelism 2 (each
+  rank holds 2 of the 4 experts) and FSDP over both ranks. Their state-dict adapters
+  (``MoESplitExpertsStateDictMixin``) save every expert under save_pretrained's per-expert names.
 * ``mixtral``: transformers' ``MixtralForCausalLM`` (Automodel 0.7.0 has no Mixtral of its own, so
   it trains the Hugging Face model), sharded by Automodel's FSDP2 ``model_parallelizer
   .parallelize_model`` over both ranks. There is no adapter: it saves transformers' fused runtime
@@ -29,14 +30,16 @@ AdamW steps and after each saves a step as ``BaseRecipe.save_checkpoint`` does
 * ``torch_save/``: native DCP in ``model/`` and no config.json anywhere.
 
 Oracles, per family: ``hf/``, transformers' ``save_pretrained`` of the trained weights (for
-``qwen3_moe``, ``from_pretrained`` of the adapter's own ``to_hf`` of them); ``logits.pt``, the
+Automodel's own models, ``from_pretrained`` of their adapter's own ``to_hf`` of them); ``logits.pt``, the
 trainer's model's forward of the trained weights on ``moe_models.logits``'s tokens, in fp32 on one
 rank (training computes in bf16: Automodel's FSDP2 mixed-precision default).
 
 The one patch, in this driver only: Automodel's Qwen3-MoE builds its rotary embedding for
-``cuda:{torch.cuda.current_device()}``, which a CPU torch refuses; ``current_device`` answers 0
-while the model is built, and ``initialize_weights(buffer_device=cpu)`` moves it to the CPU (as the
-recipe does for its device). Built once into ``root/automodel-moe-<versions>-v<FIXTURE_VERSION>``.
+``cuda:{torch.cuda.current_device()}`` (its DeepSeek-V3 asks the same when given no device), which
+a CPU torch refuses; ``current_device`` answers 0 while the model is built, and
+``initialize_weights(buffer_device=cpu)`` moves it to the CPU (as the recipe does for its device).
+Nothing else was patched: its torch experts and dispatcher, sdpa and the gloo collectives run as
+shipped. Built once into ``root/automodel-moe-<versions>-v<FIXTURE_VERSION>``.
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ from helpers import built_once
 from moe_models import VOCAB, tiny_config, tiny_model
 from trainer_fixtures import _free_port
 
-FIXTURE_VERSION = 2
-FAMILIES = ("qwen3_moe", "mixtral")
+FIXTURE_VERSION = 3
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
+# The families Automodel has models of its own for: model_type -> (components/models/<module>, class).
+AUTOMODEL = {"qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM")}
 STEPS = 2
 # run root -> (model_save_format, save_consolidated)
 RUNS = {
@@ -62,19 +67,23 @@ RUNS = {
 }
 
 
-def _automodel_qwen3_moe():
-    """Automodel's Qwen3-MoE, fp32, built on the CPU (see the module's doc for the one patch)."""
+def _automodel(family: str):
+    """Automodel's own model of ``family`` (AUTOMODEL), fp32, built on the CPU (see the module's
+    doc for the one patch)."""
+    import importlib
+
     import torch
     from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
 
-    config = tiny_config("qwen3_moe", dtype="float32", architectures=["Qwen3MoeForCausalLM"])
-    backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch")
+    module, name = AUTOMODEL[family]
+    cls = getattr(importlib.import_module(f"nemo_automodel.components.models.{module}.model"), name)
+    config = tiny_config(family, dtype="float32", architectures=[name])
+    backend = BackendConfig()  # without a GPU: sdpa, torch linear and norms, torch experts and dispatcher
     current = torch.cuda.current_device
     torch.cuda.current_device = lambda: 0
     try:
         torch.manual_seed(11)
-        model = Qwen3MoeForCausalLM(config, backend=backend)
+        model = cls(config, backend=backend)
     finally:
         torch.cuda.current_device = current
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
@@ -83,7 +92,7 @@ def _automodel_qwen3_moe():
 
 def _plain(family: str):
     """The family's model as its trainer builds it, unsharded, fp32."""
-    return _automodel_qwen3_moe() if family == "qwen3_moe" else tiny_model(family, seed=11).train()
+    return _automodel(family) if family in AUTOMODEL else tiny_model(family, seed=11).train()
 
 
 def _sharded(family: str):
@@ -96,7 +105,7 @@ def _sharded(family: str):
     from nemo_automodel.components.moe import parallelizer as moe_parallelizer
 
     model = _plain(family)
-    if family == "qwen3_moe":
+    if family in AUTOMODEL:
         keys = model.state_dict_adapter.get_hf_state_dict_keys(model.state_dict())
         mesh = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))
         axes = mesh.parallelize_axis_kwargs()
@@ -147,7 +156,7 @@ def _oracles(family: str, model, root: Path) -> None:
         ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % VOCAB  # the tokens moe_models.logits runs
         with torch.no_grad():
             torch.save(plain(ids).logits, root / "logits.pt")
-        if family != "qwen3_moe":
+        if family not in AUTOMODEL:
             plain.save_pretrained(root / "hf")
         else:
             hf = model.state_dict_adapter.to_hf({k: v.detach().clone() for k, v in full.items()})
@@ -175,6 +184,8 @@ def _train(family: str, root: Path) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if hasattr(model, "update_moe_gate_bias"):  # as train_ft does after each step
+            model.update_moe_gate_bias()
         for run in RUNS:
             _save_step(model, opt, mesh, root, run, step, loss.item())
     _oracles(family, model, root)
@@ -192,11 +203,13 @@ def _worker(root: Path) -> None:
 
 
 def _versions() -> str:
-    import nemo_automodel
+    from importlib.metadata import version
+
     import torch
     import transformers
 
-    versions = (nemo_automodel.__version__, transformers.__version__, torch.__version__)
+    # Not nemo_automodel.__version__: it appends the git HEAD of whatever repository holds the venv.
+    versions = (version("nemo-automodel"), transformers.__version__, torch.__version__)
     return "nemo_automodel-{}-transformers-{}-torch-{}".format(*versions)
 
 

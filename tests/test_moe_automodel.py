@@ -1,5 +1,6 @@
 """NeMo Automodel 0.7.0 MoE steps (tests/automodel_moe_fixtures.py, under torchrun on gloo): its
-own Qwen3-MoE with expert parallelism 2 + FSDP, whose adapter saves per-expert tensors, and a
+own Qwen3-MoE and DeepSeek-V3 with expert parallelism 2 + FSDP, whose adapters save per-expert
+tensors, and a
 transformers Mixtral under its FSDP2, saved with fused runtime experts (Automodel's consolidation
 keeps them fused). ``streamck rewrite STEP -o out``, and the run root with ``--step latest``, write
 what ``save_pretrained`` writes for the same weights, bit for bit: per-expert tensors under the
@@ -18,14 +19,15 @@ from helpers import cli, missing
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore")
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
 # An expert of each family's save_pretrained names.
 EXPERT = {
     "qwen3_moe": "model.layers.1.mlp.experts.3.up_proj.weight",
+    "deepseek_v3": "model.layers.1.mlp.experts.3.up_proj.weight",
     "mixtral": "model.layers.1.block_sparse_moe.experts.3.w3.weight",
 }
-# The trainer's fp32 forward against transformers' on the written weights: 0.0 seen for both
-# (Automodel's own Qwen3-MoE and transformers' Qwen3-MoE agree bit for bit on the CPU).
+# The trainer's fp32 forward against transformers' on the written weights: 0.0 seen for Qwen3-MoE
+# (Automodel's own and transformers' agree bit for bit on the CPU), 3e-8 for DeepSeek-V3 and Mixtral.
 ATOL = 1e-5
 
 
@@ -109,8 +111,10 @@ def test_torch_save_step_says_where_the_config_goes(runs, family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ls_says_moe(runs, family):
     listed = cli("ls", runs / family / "sharded" / "epoch_0_step_2", check=0).stdout
-    kind = "per-expert" if family == "qwen3_moe" else "fused"
-    assert f"MoE: 4 experts, {kind} (2 blocks)" in listed
+    kind = "fused (2 blocks)" if family == "mixtral" else "per-expert (2 blocks)"
+    if family == "deepseek_v3":  # its first layer is dense
+        kind = "per-expert (1 blocks)"
+    assert f"MoE: 4 experts, {kind}" in listed
 
 
 @pytest.mark.parametrize("rank", [1, 2])
