@@ -128,3 +128,18 @@ def test_missing_rank_file_is_refused(runs, family, rank, tmp_path):
     done = cli("rewrite", step, "-o", tmp_path / "out", check=2)
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fused_expert_is_read_by_its_own_rows(runs):
+    """Mixtral's fused experts, split over the two rank files: each per-expert output reads its
+    own rows only (its byte runs add up to its size), never the [E, 2I, H] tensor."""
+    from streamck.api import build_plan
+
+    plan = build_plan(runs / "mixtral" / "sharded" / "epoch_0_step_2")
+    experts = [t for t in plan.tensors if ".experts." in t.name]
+    assert len(experts) == 2 * 4 * 3
+    fused = plan.source.tensors["model.layers.0.mlp.experts.gate_up_proj"]
+    assert fused.shape[0] == 4 and len(fused.tiles) == 2  # FSDP2 sharded the experts over both ranks
+    for t in experts:
+        whole = plan.source.tensors[t.source.name.partition("[")[0]]  # the fused tensor it is cut from
+        assert sum(r.length for r in t.source.runs()) == t.nbytes and t.nbytes * 4 <= whole.nbytes
