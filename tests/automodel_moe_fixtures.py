@@ -221,7 +221,8 @@ def make_automodel_moe_runs(root: Path) -> Path:
 
     def build(tmp: Path) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        # timeout's SIGTERM lets torchrun stop its ranks; a kill from subprocess would orphan them
+        cmd = ["timeout", "-k", "20", "840", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={_free_port()}", __file__, str(tmp), "rank"]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode:
