@@ -3,14 +3,16 @@ on CPU/gloo, as its recipe ``train_ft`` saves them, for the two kinds of MoE it 
 
 ``make_automodel_moe_runs(root)`` launches ``torchrun --nproc_per_node 2``. Every rank builds, in turn:
 
-* ``qwen3_moe`` and ``deepseek_v3`` (MLA, a dense first layer, a shared expert, the routing bias
-  ``e_score_correction_bias`` that training moves): Automodel's own ``Qwen3MoeForCausalLM`` and
-  ``DeepseekV3ForCausalLM`` (components/models/: grouped experts ``experts.gate_and_up_projs``
-  [E, H, 2I] and ``experts.down_projs`` [E, I, H], torch backends, the defaults without a GPU),
-  sharded by the MoE ``parallelize_model`` (what ``_shard_ep_fsdp`` calls) over
-  ``MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))``: expert parallelism 2 (each
-  rank holds 2 of the 4 experts) and FSDP over both ranks. Their state-dict adapters
-  (``MoESplitExpertsStateDictMixin``) save every expert under save_pretrained's per-expert names.
+* ``qwen3_moe``, ``deepseek_v3`` (MLA, a dense first layer, a shared expert, the routing bias
+  ``e_score_correction_bias`` that training moves) and ``gpt_oss`` (biases, attention sinks):
+  Automodel's own ``Qwen3MoeForCausalLM``, ``DeepseekV3ForCausalLM`` and ``GptOssForCausalLM``
+  (components/models/: grouped experts ``experts.gate_and_up_projs`` [E, H, 2I] and
+  ``experts.down_projs`` [E, I, H]; torch backends, its defaults without a GPU), sharded by the MoE
+  ``parallelize_model`` (what ``_shard_ep_fsdp`` calls) over ``MeshContext.build(FSDP2Config(),
+  ParallelismSizes(ep_size=2))``: expert parallelism 2 (each rank holds 2 of the 4 experts) and
+  FSDP over both ranks. Their state-dict adapters save what the Hugging Face families hold on disk:
+  Qwen3-MoE's and DeepSeek-V3's (``MoESplitExpertsStateDictMixin``) every expert under
+  save_pretrained's per-expert names, gpt-oss's the fused ``mlp.experts.gate_up_proj`` & co.
 * ``mixtral``: transformers' ``MixtralForCausalLM`` (Automodel 0.7.0 has no Mixtral of its own, so
   it trains the Hugging Face model), sharded by Automodel's FSDP2 ``model_parallelizer
   .parallelize_model`` over both ranks. There is no adapter: it saves transformers' fused runtime
@@ -30,15 +32,15 @@ AdamW steps and after each saves a step as ``BaseRecipe.save_checkpoint`` does
 * ``torch_save/``: native DCP in ``model/`` and no config.json anywhere.
 
 Oracles, per family: ``hf/``, transformers' ``save_pretrained`` of the trained weights (for
-Automodel's own models, ``from_pretrained`` of their adapter's own ``to_hf`` of them); ``logits.pt``, the
-trainer's model's forward of the trained weights on ``moe_models.logits``'s tokens, in fp32 on one
-rank (training computes in bf16: Automodel's FSDP2 mixed-precision default).
+Automodel's own models, ``from_pretrained`` of their adapter's own ``to_hf`` of them); ``logits.pt``,
+the trainer's model's forward of the trained weights on ``moe_models.logits``'s tokens, in fp32 on
+one rank (training computes in bf16: Automodel's FSDP2 mixed-precision default).
 
-The one patch, in this driver only: Automodel's Qwen3-MoE builds its rotary embedding for
-``cuda:{torch.cuda.current_device()}`` (its DeepSeek-V3 asks the same when given no device), which
-a CPU torch refuses; ``current_device`` answers 0 while the model is built, and
-``initialize_weights(buffer_device=cpu)`` moves it to the CPU (as the recipe does for its device).
-Nothing else was patched: its torch experts and dispatcher, sdpa and the gloo collectives run as
+Patched in this driver only, none of it checkpoint code: Automodel's Qwen3-MoE and gpt-oss build
+their rotary embedding for ``cuda:{torch.cuda.current_device()}``, which a CPU torch refuses:
+``current_device`` answers 0 while a model is built, and ``initialize_weights(buffer_device=cpu)``
+moves it to the CPU (as the recipe does for its device); gpt-oss's FlexAttention runs eager
+(``_eager_flex_on_cpu``). Its torch experts and dispatcher, sdpa and the gloo collectives run as
 shipped. Built once into ``root/automodel-moe-<versions>-v<FIXTURE_VERSION>``.
 """
 
@@ -54,10 +56,27 @@ from helpers import built_once
 from moe_models import VOCAB, tiny_config, tiny_model
 from trainer_fixtures import _free_port
 
-FIXTURE_VERSION = 3
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
+FIXTURE_VERSION = 4
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral")
 # The families Automodel has models of its own for: model_type -> (components/models/<module>, class).
-AUTOMODEL = {"qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM")}
+AUTOMODEL = {
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+}
+
+
+def _eager_flex_on_cpu() -> None:
+    """Automodel's GPT-OSS runs FlexAttention only (or TE), through a ``torch.compile``d
+    ``flex_attention``: torch's inductor refuses it on the CPU (``return_lse``), and eager
+    ``flex_attention`` refuses its backward on the CPU by a device check. Eager, check skipped."""
+    import torch.nn.attention.flex_attention as flex
+    from nemo_automodel.components.attention.flex_attention import FlexAttention
+
+    FlexAttention.flex_attn = flex.flex_attention
+    flex._validate_device = lambda *tensors: None
+
+
 STEPS = 2
 # run root -> (model_save_format, save_consolidated)
 RUNS = {
@@ -79,6 +98,9 @@ def _automodel(family: str):
     cls = getattr(importlib.import_module(f"nemo_automodel.components.models.{module}.model"), name)
     config = tiny_config(family, dtype="float32", architectures=[name])
     backend = BackendConfig()  # without a GPU: sdpa, torch linear and norms, torch experts and dispatcher
+    if family == "gpt_oss":  # it asserts flex or TE attention
+        _eager_flex_on_cpu()
+        backend = BackendConfig(attn="flex")
     current = torch.cuda.current_device
     torch.cuda.current_device = lambda: 0
     try:

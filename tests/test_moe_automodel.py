@@ -1,13 +1,13 @@
 """NeMo Automodel 0.7.0 MoE steps (tests/automodel_moe_fixtures.py, under torchrun on gloo): its
-own Qwen3-MoE and DeepSeek-V3 with expert parallelism 2 + FSDP, whose adapters save per-expert
-tensors, and a
-transformers Mixtral under its FSDP2, saved with fused runtime experts (Automodel's consolidation
-keeps them fused). ``streamck rewrite STEP -o out``, and the run root with ``--step latest``, write
-what ``save_pretrained`` writes for the same weights, bit for bit: per-expert tensors under the
-family's names, loading in ``from_pretrained`` with no missing or unexpected keys and the trained
-model's logits. Every checkpoint config a user picks: sharded safetensors (``save_consolidated:
-false``), Automodel's consolidation (``final``), and native DCP (``model_save_format:
-torch_save``), which saves no config.json."""
+own Qwen3-MoE, DeepSeek-V3 and gpt-oss with expert parallelism 2 + FSDP, whose adapters save what
+the Hugging Face families hold on disk (per-expert tensors; gpt-oss fused), and a transformers
+Mixtral under its FSDP2, saved with fused runtime experts (Automodel's consolidation keeps them
+fused). ``streamck rewrite STEP -o out``, and the run root with ``--step latest``, write what
+``save_pretrained`` writes for the same weights, bit for bit: per-expert tensors under the family's
+names (gpt-oss fused, as it saves them), loading in ``from_pretrained`` with no missing or
+unexpected keys and the trained model's logits. Every checkpoint config a user picks: sharded
+safetensors (``save_consolidated: false``), Automodel's consolidation (``final``), and native DCP
+(``model_save_format: torch_save``), which saves no config.json."""
 
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ from helpers import cli, missing
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore")
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
-# An expert of each family's save_pretrained names.
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral")
+# An expert tensor of each family's save_pretrained names.
 EXPERT = {
     "qwen3_moe": "model.layers.1.mlp.experts.3.up_proj.weight",
     "deepseek_v3": "model.layers.1.mlp.experts.3.up_proj.weight",
+    "gpt_oss": "model.layers.1.mlp.experts.gate_up_proj_bias",
     "mixtral": "model.layers.1.block_sparse_moe.experts.3.w3.weight",
 }
 # The trainer's fp32 forward against transformers' on the written weights: 0.0 seen for Qwen3-MoE
-# (Automodel's own and transformers' agree bit for bit on the CPU), 3e-8 for DeepSeek-V3 and Mixtral.
+# (Automodel's own and transformers' agree bit for bit on the CPU), 3e-8 for DeepSeek-V3 and Mixtral,
+# 2.4e-7 for gpt-oss (Automodel's eager FlexAttention with sinks against transformers' eager attention).
 ATOL = 1e-5
 
 
@@ -111,7 +113,7 @@ def test_torch_save_step_says_where_the_config_goes(runs, family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ls_says_moe(runs, family):
     listed = cli("ls", runs / family / "sharded" / "epoch_0_step_2", check=0).stdout
-    kind = "fused (2 blocks)" if family == "mixtral" else "per-expert (2 blocks)"
+    kind = "fused (2 blocks)" if family in ("mixtral", "gpt_oss") else "per-expert (2 blocks)"
     if family == "deepseek_v3":  # its first layer is dense
         kind = "per-expert (1 blocks)"
     assert f"MoE: 4 experts, {kind}" in listed
