@@ -146,7 +146,7 @@ def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoin
     tensors, paths = tiled(entries, layout.root)
     files |= {p: FileStamp.of(p) for p in paths if p not in files}
     cross_check(layout.side_root or layout.root, tensors)
-    return Checkpoint(path, layout.root, tensors, {}, files, notices, layout.side_root)
+    return Checkpoint(path, layout.root, tensors, {}, files, [*layout.notes, *notices], layout.side_root)
 
 
 _name = itemgetter(0)  # TensorRef.name, at C speed
