@@ -13,7 +13,8 @@ import verl_megatron_fixtures
 from helpers import cli
 from safetensors.torch import load_file
 
-MERGED = [c["name"] for c in verl_megatron_fixtures.cases() if "hf_model" in c["contents"]]
+MERGED = [c["name"] for c in verl_megatron_fixtures.cases() if "hf_model" in c["contents"] and c["dist"]]
+DIST = [c["name"] for c in verl_megatron_fixtures.cases() if c["dist"]]
 ENTRIES = ["actor", "step", "run --step latest", "run"]
 
 
@@ -47,7 +48,10 @@ def test_is_verls_megatron_merger_bit_for_bit(verl_megatron, tmp_path, name, ent
     case = verl_megatron[name]
     out = tmp_path / "out"
     done = cli("rewrite", *_source(case, entry), "-o", out, "--plan", "megatron-gpt", check=0)
-    assert_bitwise(load_file(out / "model.safetensors"), load_file(case["merged"] / "model.safetensors"))
+    got = load_file(out / "model.safetensors")
+    assert_bitwise(got, load_file(case["merged"] / "model.safetensors"))
+    if entry == "actor":  # and the bridge's own HF export (hf_model), which it leaves out
+        assert_bitwise(got, load_file(case["actor"] / "model" / "huggingface" / "model.safetensors"))
     for side in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / side).read_bytes() == (case["merged"] / side).read_bytes()
     config = json.loads((out / "config.json").read_text())
@@ -63,12 +67,14 @@ def test_is_verls_megatron_merger_bit_for_bit(verl_megatron, tmp_path, name, ent
 def test_loads_with_megatrons_logits(verl_megatron, tmp_path, name):
     """``from_pretrained`` with no missing or unexpected keys, and the logits of megatron-core's
     own forward of the saved model (bf16 both, within bf16 rounding). Without ``hf_model`` verl
-    saved no HF config: ``--hf-config`` gives the base model's."""
+    saved no HF config: ``--hf-config`` gives the base model's. With verl's defaults the model is
+    the bridge's HF weights, read without --plan."""
     from transformers import AutoModelForCausalLM
 
     case = verl_megatron[name]
     given = [] if case["merged"] else ["--hf-config", case["base"] / "config.json"]
-    cli("rewrite", case["actor"], "-o", tmp_path / "out", "--plan", "megatron-gpt", *given, check=0)
+    plan = ["--plan", "megatron-gpt", *given] if case["dist"] else []  # verl's defaults: its HF weights
+    cli("rewrite", case["actor"], "-o", tmp_path / "out", *plan, check=0)
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True,
                                                        attn_implementation="eager")  # fmt: skip
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -87,3 +93,25 @@ def test_no_hf_config_is_refused_in_one_line(verl_megatron, tmp_path):
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert str(case["actor"]) in done.stderr and "--hf-config" in done.stderr and "hf_model" in done.stderr
     assert not out.exists()
+
+
+def test_defaults_read_the_bridges_weights(verl_megatron, tmp_path):
+    """verl's defaults (no use_dist_checkpointing) save the model as the bridge's HF weights in
+    ``model/huggingface/``: the run root reads them bit for bit, the optimizer, RNG and
+    ``data.pt`` left out with a note; ``--plan megatron-gpt`` says in one line to drop it."""
+    case = verl_megatron["tp2_default"]
+    hf = case["actor"] / "model" / "huggingface"
+    done = cli("rewrite", case["run"], "-o", tmp_path / "out", check=0)
+    assert_bitwise(load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors"))
+    assert "read model/huggingface/" in done.stderr and "optimizer/dist_ckpt/" in done.stderr
+    refused = cli("rewrite", case["run"], "-o", tmp_path / "planned", "--plan", "megatron-gpt", check=2)
+    assert refused.stderr.count("\n") == 1 and "without --plan" in refused.stderr, refused.stderr
+    assert not (tmp_path / "planned").exists()
+
+
+@pytest.mark.parametrize("name", DIST)
+def test_dist_actor_without_plan_names_it(verl_megatron, tmp_path, name):
+    """A dist-checkpoint actor rewritten without a plan: one line naming --plan megatron-gpt."""
+    done = cli("rewrite", verl_megatron[name]["step"], "-o", tmp_path / "out", check=2)
+    assert done.stderr.count("\n") == 1 and "--plan megatron-gpt" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()

@@ -6,7 +6,8 @@ verl's ``MegatronEngineWithLMHead`` builds the model the way verl does (its brid
 params under Megatron's DDP and distributed optimizer, at TP or PP = 2 on 2 gloo ranks. One
 training step (the causal-LM loss of megatron-core's forward, Megatron's ``finalize_model_grads``,
 verl's own ``optimizer_step``) and verl's ``MegatronCheckpointManager`` saves it, as verl's trainer
-does, with ``use_dist_checkpointing=True``: ``run/global_step_1/actor/`` (layout v2:
+does, with ``use_dist_checkpointing=True`` (or verl's default, without: the model only as the
+bridge's HF export in ``model/huggingface/``): ``run/global_step_1/actor/`` (layout v2:
 ``model/dist_ckpt/``, ``optimizer/dist_ckpt/``, ``extra/dist_ckpt/``, ``transformer_config.json``,
 ``ckpt_contents.json``; ``model/huggingface/`` with config, tokenizer and the bridge's HF weights
 when ``hf_model`` is among the contents). The trainer's ``data.pt`` and
@@ -31,7 +32,8 @@ Patched for a GPU-less host, here only (verl's, mbridge's and megatron-core's fi
 - ``sequence_parallel`` off (verl options: ``sequence_parallel`` and, since mbridge sets it for
   any TP > 1, ``override_transformer_config``): megatron-core's torch norms refuse it.
 
-Usage: verl_mcore_child.py OUT TP PP CONTENTS (comma-separated save_contents), or
+Usage: verl_mcore_child.py OUT TP PP CONTENTS MODEL (comma-separated save_contents; MODEL ``dist``:
+``use_dist_checkpointing``, ``hf``: verl's default, the model saved by the bridge as HF), or
 verl_mcore_child.py merge ARGS… (verl's merger, its own arguments).
 """
 
@@ -210,7 +212,7 @@ def _oracle(engine, vocab: int) -> dict | None:
     return {"tokens": tokens, "logits": box[0][..., :vocab]} if dist.get_rank() == 0 else None
 
 
-def main(out: Path, tp: int, pp: int, contents: list[str]) -> None:
+def main(out: Path, tp: int, pp: int, contents: list[str], dist_model: bool) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     setup()
@@ -229,7 +231,7 @@ def main(out: Path, tp: int, pp: int, contents: list[str]) -> None:
     checkpoint = CheckpointConfig(save_contents=contents, load_contents=contents)
     engine = MegatronEngineWithLMHead(model_config, engine_config, optim_config, checkpoint)
     engine.initialize()
-    engine.checkpoint_mananager.use_dist_checkpointing = True  # see the module docstring
+    engine.checkpoint_mananager.use_dist_checkpointing = dist_model  # see the module docstring
     vocab = model_config.hf_config.vocab_size
     _train_step(engine, vocab)
     step_dir = out / "run" / "global_step_1"
@@ -263,4 +265,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "merge":
         merge(sys.argv[2:])
         sys.exit()
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), sys.argv[5] == "dist")

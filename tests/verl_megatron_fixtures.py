@@ -6,7 +6,8 @@ Each case runs tests/verl_mcore_child.py under ``torchrun`` on 2 CPU/gloo ranks 
 as folders put on the child's path): a tiny HF model (tests/verl_child.py ``make_base``: Qwen2
 with a tied head, or Llama untied) built into a megatron-core GPTModel by verl's
 ``MegatronEngineWithLMHead``, bf16 params, TP or PP = 2, trained one step and saved by
-``MegatronCheckpointManager`` with ``use_dist_checkpointing`` into ``run/global_step_1/actor/``
+``MegatronCheckpointManager`` with ``use_dist_checkpointing`` (or, ``tp2_default``, verl's
+defaults: the model only as the bridge's HF weights) into ``run/global_step_1/actor/``
 (see verl_mcore_child.py for the CPU patches). Beside each run: ``oracle.pt`` (token ids and the
 logits of Megatron's own forward) and, where the actor holds its HF config, ``merged/``: verl's
 own merger (``python -m verl.model_merger merge --backend megatron``) run on CPU.
@@ -23,7 +24,7 @@ from pathlib import Path
 from helpers import built_once
 from trainer_fixtures import _free_port
 
-FIXTURE_VERSION = 1
+FIXTURE_VERSION = 2
 ROOT = Path(__file__).resolve().parent.parent
 VERL_PYTHON = ROOT / ".venv" / "verl-0.9.1" / "bin" / "python"
 PATHS = [ROOT / ".venv" / "megatron-core-0.19.2", ROOT / ".venv" / "mbridge-0.15.1"]
@@ -31,13 +32,14 @@ BASE = Path(__file__).with_name("verl_child.py")
 CHILD = Path(__file__).with_name("verl_mcore_child.py")
 WITH_HF = "model,optimizer,extra,hf_model"
 
-# name, architecture, TP, PP, save_contents
+# name, architecture, TP, PP, save_contents, the model as a dist checkpoint (use_dist_checkpointing)
 CASES = [
-    ("tp2_tied", "qwen2", 2, 1, WITH_HF),
-    ("pp2_untied", "llama", 1, 2, WITH_HF),
-    ("tp2_no_hf", "qwen2", 2, 1, "model,optimizer,extra"),  # verl's default contents: no huggingface/
+    ("tp2_tied", "qwen2", 2, 1, WITH_HF, True),
+    ("pp2_untied", "llama", 1, 2, WITH_HF, True),
+    ("tp2_no_hf", "qwen2", 2, 1, "model,optimizer,extra", True),  # verl's default contents: no huggingface/
+    ("tp2_default", "qwen2", 2, 1, "model,optimizer,extra", False),  # verl's defaults: the bridge's HF weights
 ]
-KEYS = ("name", "arch", "tp", "pp", "contents")
+KEYS = ("name", "arch", "tp", "pp", "contents", "dist")
 
 
 def cases() -> list[dict]:
@@ -56,9 +58,9 @@ def _build_case(case: dict, out: Path) -> None:
     out.mkdir()
     _run([VERL_PYTHON, BASE, "base", out, case["arch"]], 300, f"{case['name']}: base model", paths=False)
     torchrun = [VERL_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"]
-    args = [CHILD, out, case["tp"], case["pp"], case["contents"]]
+    args = [CHILD, out, case["tp"], case["pp"], case["contents"], "dist" if case["dist"] else "hf"]
     _run([*torchrun, *args], 900, f"{case['name']}: verl run")
-    if "hf_model" in case["contents"]:
+    if "hf_model" in case["contents"] and case["dist"]:
         actor = out / "run" / "global_step_1" / "actor"
         tied = ["--tie-word-embedding"] if case["arch"] == "qwen2" else []
         merge = [VERL_PYTHON, CHILD, "merge", "merge", "--backend", "megatron", *tied]

@@ -1,14 +1,11 @@
-"""verl's Megatron actor checkpoints (``MegatronCheckpointManager``, verl 0.9.1), found for
-``--plan megatron-gpt``.
+"""verl's Megatron actor checkpoints (``MegatronCheckpointManager``, verl 0.9.1) for
+``--plan megatron-gpt``: the actor's model dist checkpoint, its HF config and tokenizer.
 
-verl saves the actor's GPTModel with megatron-core's ``dist_checkpointing`` (``torch_dist``, its
-``sharded_state_dict`` keys with no prefix and no Megatron ``args``) when
-``use_dist_checkpointing`` is on. Layout v2 (verl 0.9): ``actor/model/dist_ckpt/``, the HF config
-and tokenizer (and the bridge's HF weights) in ``actor/model/huggingface/`` when ``hf_model`` is
-among ``save_contents``, ``actor/optimizer/dist_ckpt/`` (optimizer, LR scheduler),
-``actor/extra/dist_ckpt/`` (RNG), ``transformer_config.json``, ``ckpt_contents.json``. Layout v1
-(earlier verl): ``actor/dist_ckpt/`` and ``actor/huggingface/``. The trainer writes
-``global_step_N/data.pt`` beside the actor and ``latest_checkpointed_iteration.txt`` in the run root.
+verl saves the actor's GPTModel with megatron-core's ``dist_checkpointing`` (``torch_dist``: the
+model's ``sharded_state_dict`` keys with no prefix, and no Megatron ``args``) when
+``use_dist_checkpointing`` is on, into ``model/dist_ckpt/`` (the layout:
+streamck.source.verl_megatron). The config is ``model/huggingface/config.json``, written only with
+``hf_model`` in ``save_contents``.
 """
 
 from __future__ import annotations
@@ -16,16 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-from streamck.errors import listing
-from streamck.plan.megatron.layout import TRACKER
+import orjson
 
-# (the model's dist checkpoint, the HF folder), relative to the actor folder, v2 first.
-LAYOUTS = (("model/dist_ckpt", "model/huggingface"), ("dist_ckpt", "huggingface"))
-# What the actor and its step hold beside the model, never read, with what each is.
-LEFT_OUT = (
-    ("optimizer/dist_ckpt", "optimizer and LR scheduler state"),
-    ("extra/dist_ckpt", "RNG state"),
-)
+from streamck.errors import PlanError
+from streamck.plan.megatron.layout import TRACKER
+from streamck.source.verl_megatron import DIST, HF, MANIFEST, actor_of, left_beside
 
 
 class VerlActor(NamedTuple):
@@ -36,21 +28,32 @@ class VerlActor(NamedTuple):
     hf: Path
 
 
-def _actor(path: Path) -> VerlActor | None:
-    for dist, hf in LAYOUTS:
-        if (path / dist / "metadata.json").is_file():
-            return VerlActor(path, path / dist, path / hf)
-    return None
-
-
 def find_actor(path: Path) -> VerlActor | None:
     """The verl Megatron actor that ``path`` names: the actor folder, its ``global_step_N/``, or
-    a run root whose tracker names such a step; None when ``path`` is none of these."""
+    a run root whose tracker names such a step; None when ``path`` is none of these. An actor
+    with no model dist checkpoint (verl's default: the model is the bridge's HF weights) and a
+    LoRA actor (its manifest says ``peft``: the dist checkpoint holds the adapter alone) are refused."""
     if (path / TRACKER).is_file():
         text = (path / TRACKER).read_text().strip()
         if text.isdigit() and (path / f"global_step_{text}").is_dir():
             path = path / f"global_step_{text}"
-    return _actor(path) or _actor(path / "actor")
+    actor = actor_of(path)
+    found = VerlActor(actor, actor / DIST, actor / HF) if actor and (actor / DIST / "metadata.json").is_file() else None
+    if found is None and actor is not None:
+        raise PlanError("a verl Megatron actor saved without use_dist_checkpointing: its model is the bridge's "
+                        "Hugging Face weights in huggingface/, which streamck reads without --plan", actor)  # fmt: skip
+    if found is not None and _peft(found.actor / MANIFEST):
+        raise PlanError(f"a verl Megatron LoRA actor ({MANIFEST}: peft): its dist checkpoint holds the adapter "
+                        "alone, not the model; the base is the bridge's huggingface/ folder", found.actor)  # fmt: skip
+    return found
+
+
+def _peft(manifest: Path) -> bool:
+    try:
+        backend = orjson.loads(manifest.read_bytes()).get("backend")
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(backend, dict) and backend.get("peft") is True
 
 
 def verl_config(found: VerlActor, given: str | None) -> str | None:
@@ -73,14 +76,9 @@ def tokenizer_files(found: VerlActor) -> dict[str, Path]:
 
 
 def left_out(found: VerlActor) -> str:
-    """One note naming what is not read beside the model's dist checkpoint."""
-    out = [f"{rel}/ ({what})" for rel, what in LEFT_OUT if (found.actor / rel).is_dir()]
+    """One note naming what is read and what is not beside the model's dist checkpoint."""
+    note = left_beside(found.actor, f"{found.dist.relative_to(found.actor)}/")
     if any(found.hf.glob("*.safetensors")):
-        out.append(f"{found.hf.relative_to(found.actor)}/ weights (hf_model, the bridge's export)")
-    step = found.actor.parent
-    if found.actor.name == "actor":
-        out += ["../data.pt (dataloader state)"] if (step / "data.pt").is_file() else []
-        out += [f"../{p.name}/ (another role)" for p in sorted(step.iterdir()) if p.is_dir() and p != found.actor]
-    return f"verl Megatron actor: read {found.dist.relative_to(found.actor)}/" + (
-        f"; left out: {listing(out, 6)}" if out else ""
-    )
+        weights = f"{found.hf.relative_to(found.actor)}/ weights (hf_model, the bridge's export)"
+        note += f", {weights}" if "; left out: " in note else f"; left out: {weights}"
+    return note
