@@ -18,6 +18,14 @@ Patched for a GPU-less host, here only (verl's, mbridge's and megatron-core's fi
 - verl's platform singleton is a CPU platform (tests/verl_child.py ``_cpu_platform``).
 - ``torch.cuda`` synchronize / current_device / RNG state (bench/megatron_ckpt.py
   ``_cuda_stand_ins``), which megatron-core calls unconditionally; ``triton`` at import.
+- Devices (_cuda_tensors_on_cpu): ``Module.cuda`` keeps the model where it is (mbridge's
+  ``get_model`` moves it to ``torch.cuda.current_device()``); ``torch.tensor/zeros/ones/empty/full``
+  with ``device='cuda'`` (megatron-core's optimizer, clipping and schedules make their scalars so)
+  make them on the CPU; ``Tensor.type()`` names a CPU tensor as its CUDA type (megatron-core's
+  optimizers sort parameters by ``torch.cuda.BFloat16Tensor`` / ``FloatTensor``); a current stream
+  that waits for nothing (its gradient reduction waits there for CUDA-graph events).
+- verl's merger: its ``get_model`` moves the model to ``f"{device}:{get_device_id()}"``, which the
+  CPU platform makes ``"cpu:cpu"``: the id is 0.
 - The layer spec: verl and mbridge ask megatron-core for ``get_gpt_decoder_block_spec(config,
   use_transformer_engine=True)``; Transformer Engine is CUDA-only, so the same function is called
   with ``use_transformer_engine=False`` (megatron-core's local spec, whose
@@ -69,7 +77,9 @@ def _local_specs() -> None:
 
 def _cuda_tensors_on_cpu() -> None:
     """megatron-core's optimizer, gradient clipping and schedules make their small bookkeeping
-    tensors (loss scale, found-inf flag, norms, token counts) with ``device='cuda'``: on CPU."""
+    tensors (loss scale, found-inf flag, norms, token counts) with ``device='cuda'``: on CPU; and
+    mbridge's ``get_model`` moves the model to the GPU: it stays."""
+    torch.nn.Module.cuda = lambda self, device=None: self
 
     def on_cpu(make):
         def made(*args, **kwargs):
@@ -129,7 +139,6 @@ def setup() -> None:
 
     _cuda_stand_ins()
     _cuda_tensors_on_cpu()
-    torch.nn.Module.cuda = lambda self, device=None: self  # mbridge's get_model moves the model to the GPU
     _import_megatron()
     _cpu_platform()
     from standins import without_triton
