@@ -172,7 +172,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
-    notices: list[str] = []
+    notices: list[str] = list(layout.notes)
     for shard in layout.shards:
         files[shard] = FileStamp.of(shard)  # before reading: a change while we read shows too
         header = _read_shard(shard, select, notices)

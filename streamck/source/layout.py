@@ -105,7 +105,7 @@ class Layout:
     side_root: Path | None = None
     zero: Path | None = None
     zero_unclear: CheckpointError | None = None
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # notices the index starts with (what a trainer's folder leaves out)
 
 
 def _load_index(index_path: Path) -> dict[str, str]:
@@ -324,7 +324,7 @@ def hub_snapshot(path: Path) -> Path:
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     path = hub_snapshot(path)
-    from streamck.source import fsdp, verl
+    from streamck.source import fsdp, verl, verl_megatron
     from streamck.source.zero import find_zero, rank_file_error
 
     if path.is_file():
@@ -372,6 +372,10 @@ def find_layout(path: Path) -> Layout:
     step = _automodel_step(path) if (path / "model").is_dir() else None
     if step is not None:
         return step
+    found = verl_megatron.hf_weights(path)
+    if found is not None:  # a verl Megatron actor saved as verl does by default: the bridge's HF weights
+        actor, hf = found
+        return replace(find_layout(hf), notes=(verl_megatron.left_beside(actor, f"{hf.relative_to(actor)}/"),))
     found = steps(path)
     if found:
         listed = ", ".join(map(str, found))

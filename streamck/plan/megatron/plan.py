@@ -10,7 +10,9 @@ checkpoint's own ``args`` (a pickled ``argparse.Namespace`` in the ``common_stat
 read as inert data) and, where given, a Hugging Face config (``--hf-config``, or
 ``config.json`` beside the step) that must agree with them; without one, the output's
 ``config.json`` is built from ``args``. A multi-latent-attention model (DeepSeek-V3) goes to
-mla.py, which needs a DeepseekV3 config.
+mla.py, which needs a DeepseekV3 config. A verl Megatron actor (its folder, ``global_step_N/``
+or its run root: verl.py) is its model's dist checkpoint with the config and tokenizer from the
+actor's ``huggingface/``; no ``args`` there.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from streamck.plan.megatron.layout import (
 )
 from streamck.plan.megatron.mla import mla_plan
 from streamck.plan.megatron.moe import moe_outputs, moe_sizes
+from streamck.plan.megatron.verl import find_actor, left_out, tokenizer_files, verl_config
 from streamck.plan.rules import Rules
 from streamck.source import TensorRef, open_checkpoint
 from streamck.source.select import Rows, select
@@ -188,7 +191,13 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     root with its tracker file, or an ``iter_*`` folder). Only cast rules may accompany it;
     every key, shape and size is checked before anything is written."""
     rules = only_casts(rules, PLAN)
-    step = step_dir(Path(path))
+    verl = find_actor(Path(path))
+    if verl is not None:
+        hf_config = verl_config(verl, hf_config)
+        if hf_config is None:
+            raise PlanError(f"a verl Megatron actor saved without 'hf_model' in save_contents has no {verl.hf.name}/"
+                            "config.json: give --hf-config (the base model's config.json)", verl.actor)  # fmt: skip
+    step = step_dir(verl.dist if verl else Path(path))
     args, iteration = read_args(step)
     ckpt = open_checkpoint(step)
     keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
@@ -230,7 +239,11 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     ]
     state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
     left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
-    return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+    plan = hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+    if verl is not None:
+        plan.side_files = {**tokenizer_files(verl), **plan.side_files}
+        plan.source.notices.append(left_out(verl))
+    return plan
 
 
 def _sizes_and_config(
