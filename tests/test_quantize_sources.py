@@ -92,13 +92,15 @@ def test_megatron_to_fp8_dynamic(megatron, tmp_path):  # noqa: F811
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_ep2"])
 def test_torchtitan_moe_per_expert_to_fp8(titan_moe, tmp_path, name):  # noqa: F811
     """torchtitan Qwen3-MoE, fused experts [E, ...] (and expert parallel over 2 ranks): each expert
-    written and quantized per expert; model_free_ptq runs on torchtitan's own to_hf output."""
+    written and quantized per expert; model_free_ptq runs on torchtitan's own to_hf tensors, beside
+    the config streamck writes for them (the given one with its "dtype" filled in)."""
     case = titan_moe[name]
+    extra = ["--plan", "torchtitan", "--hf-config", str(case / "config.json")]
+    cli("rewrite", case / "checkpoint" / "step-1", "-o", tmp_path / "hf", *extra, check=0)
     consolidated = tmp_path / "to_hf"
     consolidated.mkdir()
     shutil.copy(case / "to_hf.safetensors", consolidated / "model.safetensors")
-    shutil.copy(case / "config.json", consolidated)
-    extra = ["--plan", "torchtitan", "--hf-config", str(case / "config.json")]
+    shutil.copy(tmp_path / "hf" / "config.json", consolidated)
     got = same_as_ptq(case / "checkpoint" / "step-1", extra, tmp_path, "FP8_DYNAMIC", ["lm_head", "re:.*mlp.gate$"],
                       consolidated)  # fmt: skip
     experts = [n for n in _quantized(got) if ".mlp.experts." in n]
