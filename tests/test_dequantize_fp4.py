@@ -39,7 +39,7 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_same_as_compressed_tensors_and_transformers(quant, tmp_path, case):  # noqa: F811
     src, dtype = case
-    cli("rewrite", quant / src, "-o", tmp_path / "out", "--dtype", dtype, check=0)
+    cli("rewrite", quant / src, "-o", tmp_path / "out", "--dtype", dtype, "--verify", check=0)
     ours = load_file(tmp_path / "out" / "model.safetensors")
     stored = {k for f in (quant / src).glob("*.safetensors") for k in load_file(f)}
     modules = {k.rpartition(".")[0] for k in stored if k.endswith(".weight_packed")}

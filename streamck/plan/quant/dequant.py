@@ -126,14 +126,12 @@ def dequantize_plan(plan: Plan, dtype: str) -> Plan:
     side = dict(plan.side_files)
     config = _config(plan)
     fp8 = len([n for n in used if n.rpartition(".")[2] in SCALES]) - fp4
-    summary = [
-        f"dequantizing {what} to {out_dtype}, as {who} loads them"
-        for what, who, n in (
-            (f"{fp8} FP8 weights ({kind})", "transformers", fp8),
-            (f"{fp4} packed FP4 weights", "compressed-tensors' decompressor (bf16, then cast)", fp4),
+    summary = [f"dequantizing {fp8} FP8 weights ({kind}) to {out_dtype}, as transformers loads them"] if fp8 else []
+    if fp4:
+        summary.append(
+            f"dequantizing {fp4} packed FP4 weights to {out_dtype}, as compressed-tensors' decompressor does "
+            "(to bf16, then cast)"
         )
-        if n
-    ]
     if "config.json" in side and "quantization_config" in config:
         del config["quantization_config"]
         side["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
