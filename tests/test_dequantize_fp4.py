@@ -83,6 +83,26 @@ def test_without_dtype_it_stays_packed(quant, tmp_path):  # noqa: F811
     assert "quantization_config" in json.loads((tmp_path / "out" / "config.json").read_bytes())
 
 
+def test_sharded_source_keep_shards(quant, tmp_path):  # noqa: F811
+    """model_free_ptq's NVFP4A16 of the 5-file Llama, dequantized file for file (--keep-shards):
+    each output file holds its source file's weights, equal to the decompressor's."""
+    src = tmp_path / "nvfp4"
+    run_oracle("ptq", quant / "llama-sharded", src, "NVFP4A16", "lm_head")
+    out = tmp_path / "out"
+    cli("rewrite", src, "-o", out, "--dtype", "bf16", "--keep-shards", "--verify", check=0)
+    files = sorted(p.name for p in src.glob("*.safetensors"))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files and len(files) > 1
+    for name in files:
+        stored = load_file(src / name)
+        ours = load_file(out / name)
+        assert sorted(ours) == sorted(k.replace(".weight_packed", ".weight") for k in stored
+                                      if not k.endswith(("weight_scale", "weight_global_scale")))  # fmt: skip
+    run_oracle("decompress", src, "bfloat16", tmp_path / "ct.safetensors")
+    ct = load_file(tmp_path / "ct.safetensors")
+    ours = {k: v for p in out.glob("*.safetensors") for k, v in load_file(p).items()}
+    assert ct and [n for n in ct if not _same(ours[n], ct[n])] == []
+
+
 def _refused(proc: subprocess.CompletedProcess, out, *words: str) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
