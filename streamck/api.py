@@ -195,8 +195,6 @@ def rewrite(
         quantize_ignore=quantize_ignore,
         **read,
     )
-    if quantize is not None and device not in (None, "cpu"):
-        raise UsageError(f"--quantize with --device {device}: quantizing runs on the CPU only (for now)")
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     return write_plan(
         compiled,

@@ -99,8 +99,6 @@ def _compile(args: argparse.Namespace):
         quantize=args.quantize,
         quantize_ignore=args.quantize_ignore or (),
     )
-    if args.quantize is not None and getattr(args, "device", None) not in (None, "cpu"):
-        raise UsageError(f"--quantize with --device {args.device}: quantizing runs on the CPU only (for now)")
     _notes(plan, args.quiet)
     return plan
 

@@ -57,8 +57,17 @@ class Transform(Protocol):
     def pieces(self, target: Target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """``target``'s bytes in bounded pieces, each valid until the next, the same bits on
         every call. ``space`` is the caller's dict (one per writer thread) for buffers kept
-        from one tensor to the next."""
+        from one tensor to the next; its ``"device"`` (DEVICE) is where a torch engine
+        computes (``--device``: ``cpu``, ``cuda`` or ``cuda:N``; absent: the CPU)."""
         ...
+
+
+DEVICE = "device"  # the key of ``space`` naming the device a torch engine computes on
+
+
+def device_of(space: dict) -> str:
+    """Where a torch engine computes, by the writer's ``space`` (the CPU unless it names one)."""
+    return space.get(DEVICE) or "cpu"
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,9 @@ band by band.
   the product each rounded to float32 (bfloat16 over a float32 tensor promotes). MXFP4
   (``weight_scale`` U8 E8M0 per 32 values): ``bf16(v) * bf16(2 ** bf16(e - 127))`` in bfloat16.
 
-Each product is elementwise, so a band of rows gives the whole tensor's bits. Memory: the
+Each product is elementwise, so a band of rows gives the whole tensor's bits, and on a CUDA
+device (``--device``) the same operations give the same bits (each band computed there and
+copied back). Memory: the
 scale tensor (one value per block or row; FP4's group scales a band at a time) and one band of
 rows in float32, a few times over.
 """
@@ -34,7 +36,8 @@ from streamck.dtypes import TORCH_NAMES
 from streamck.errors import OutputError
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
-from streamck.transforms.quantize import BAND_BYTES
+from streamck.transforms.base import device_of
+from streamck.transforms.quantize import BAND_BYTES, host_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +70,8 @@ class Fp8Dequant:
         rows, cols = ref.shape
         out = getattr(torch, TORCH_NAMES[target.dtype])
         math = torch.float32 if self.kind == "fp8" else out
-        scales = _whole(reader, self.scale).to(math)
+        device = device_of(space)
+        scales = _whole(reader, self.scale).to(device).to(math)
         if scales.dim() == 2 and (scales.shape[0] > 1 or bh > 1):  # a grid (or per-row scales)
             scales = scales.repeat_interleave(bw, dim=1)[:, :cols] if bw > 1 else scales
         step = max(bh, BAND_BYTES // max(cols * 4, 1) // bh * bh)
@@ -77,9 +81,9 @@ class Fp8Dequant:
             buf = bytearray((end - start) * cols)
             if stream.readinto(memoryview(buf)) != len(buf):
                 raise OutputError(f"{ref.name} ended early", ref.path)
-            q = torch.frombuffer(buf, dtype=torch.float8_e4m3fn).reshape(end - start, cols).to(math)
+            q = torch.frombuffer(buf, dtype=torch.float8_e4m3fn).reshape(end - start, cols).to(device).to(math)
             s = _rows_of(scales, start, end, bh)
-            yield memoryview((q * s).to(out).contiguous().view(torch.uint8).numpy()).cast("B")
+            yield host_bytes((q * s).to(out))
 
 
 def _rows_of(scales, start: int, end: int, bh: int):
@@ -141,14 +145,15 @@ class Fp4Dequant:
         rows, half = ref.shape
         groups = self.scale.shape[1]
         out = getattr(torch, TORCH_NAMES[target.dtype])
-        gs = None if self.global_scale is None else _whole(reader, self.global_scale).to(torch.float32)
+        device = device_of(space)
+        gs = None if self.global_scale is None else _whole(reader, self.global_scale).to(device).to(torch.float32)
         step = max(1, FP4_VALUES // (2 * half))
         packed, scales = reader.stream(ref), reader.stream(self.scale)
         for start in range(0, rows, step):
             n = min(step, rows - start)
-            q = _read(packed, ref, n * half).reshape(n, half)
-            s = _read(scales, self.scale, n * groups).reshape(n, groups)
-            yield memoryview(fp4_dequant(q, s, gs, self.kind).to(out).contiguous().view(torch.uint8).numpy()).cast("B")
+            q = _read(packed, ref, n * half).reshape(n, half).to(device)
+            s = _read(scales, self.scale, n * groups).reshape(n, groups).to(device)
+            yield host_bytes(fp4_dequant(q, s, gs, self.kind).to(out))
 
 
 def _read(stream, ref: TensorRef, count: int):
@@ -169,7 +174,8 @@ def fp4_unpack(packed):
     low, high = packed & 0x0F, (packed & 0xF0) >> 4
     nibbles = torch.stack((low, high), dim=-1).flatten(start_dim=-2)
     signs = (nibbles & 0x08).to(torch.bool)
-    values = torch.tensor(E2M1, dtype=torch.float32)[(nibbles & 0x07).to(torch.long)] * torch.where(signs, -1.0, 1.0)
+    table = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    values = table[(nibbles & 0x07).to(torch.long)] * torch.where(signs, -1.0, 1.0)
     return values.to(torch.bfloat16)
 
 

@@ -14,6 +14,9 @@ that a band of whole rows never cuts, so a band gives the bits the whole tensor 
   a quarter of the mantissa's range and masking it off, the E8M0 exponent
   ``uint8(round(127 + floor(log2(p)) - 2))``; values ``fp4(clamp(w / 2^(e-127)))`` in ``d``.
 
+On a CUDA device (``--device``) each band is computed there with the same operations, every
+constant made on the band's device, and copied back.
+
 FP4 rounding (the oracle's CPU ``cast_to_fp4``): |x| ≤ 0.25 → 0, < 0.75 → 0.5, ≤ 1.25 → 1,
 < 1.75 → 1.5, ≤ 2.5 → 2, < 3.5 → 3, ≤ 5 → 4, else 6 (ties to even), times ``sign(x)``; a
 negative value that rounds to zero is -0, nibble 0x8. Nibbles: even column low, odd column high.
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
-from streamck.transforms.base import Computed, PieceStream, Transform
-from streamck.transforms.quantize import _bands
+from streamck.transforms.base import Computed, PieceStream, Transform, device_of
+from streamck.transforms.quantize import _bands, host_bytes
 
 GROUP = {"nv": 16, "mx": 32}
 SCHEME_OF = {"nv": "NVFP4A16", "mx": "MXFP4A16"}
@@ -77,11 +80,10 @@ class Fp4:
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """The part's bytes, one band of rows at a time (see the module's docstring)."""
-        import torch
 
         gs = global_scale(self.group, self.compute, reader, space) if self.kind == "nv" else None
         if self.part == "global":
-            yield memoryview(gs.numpy()).cast("B")
+            yield host_bytes(gs)
             return
         for block in _member_bands(Member(target.name, target.source, self.inner), self.compute, reader, space):
             if self.kind == "nv":
@@ -90,7 +92,7 @@ class Fp4:
             else:
                 scale = mx_scales(block)
                 out = mx_exponents(scale) if self.part == "scale" else pack(mx_values(block, scale))
-            yield memoryview(out.contiguous().view(torch.uint8).numpy()).cast("B")
+            yield host_bytes(out)
 
 
 def _member_bands(member: Member, compute: str, reader: Reader, space: dict):
@@ -99,7 +101,7 @@ def _member_bands(member: Member, compute: str, reader: Reader, space: dict):
     if member.inner is not None:
         stream = PieceStream(member.inner.pieces(Computed(member.name, ref, compute), reader, space))
         ref = ref._replace(dtype=compute)
-    return _bands(ref, compute, reader, stream, rows_of="rows", budget=FP4_BAND)
+    return _bands(ref, compute, reader, stream, rows_of="rows", budget=FP4_BAND, device=device_of(space))
 
 
 def global_scale(group: tuple[Member, ...], compute: str, reader: Reader, space: dict):
@@ -121,10 +123,8 @@ def global_scale(group: tuple[Member, ...], compute: str, reader: Reader, space:
     absmax = stats[0][1]
     for lo, hi in stats:
         absmax = torch.max(torch.max(absmax, -lo), hi)
-    lo, hi = (
-        torch.min(-absmax.reshape(1), torch.zeros(1, dtype=absmax.dtype)),
-        torch.max(absmax.reshape(1), torch.zeros(1, dtype=absmax.dtype)),
-    )
+    zero = torch.zeros(1, dtype=absmax.dtype, device=absmax.device)
+    lo, hi = torch.min(-absmax.reshape(1), zero), torch.max(absmax.reshape(1), zero)
     pos = torch.max(torch.abs(lo), torch.abs(hi))
     pos = torch.clamp(pos, min=torch.finfo(pos.dtype).tiny)
     gs = torch.nan_to_num(FP8_MAX * FP4_MAX / pos, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape([1])
@@ -147,11 +147,11 @@ def nv_scales(block, gs):
     import torch
 
     absmax = _absmax(block, GROUP["nv"])
-    bit_range = torch.tensor(FP4_MAX) - torch.tensor(-FP4_MAX)
+    bit_range = torch.tensor(FP4_MAX, device=block.device) - torch.tensor(-FP4_MAX, device=block.device)
     scales = gs * (absmax / (bit_range.to(absmax.dtype) / 2))
     fp8 = torch.finfo(torch.float8_e4m3fn)
     scales = torch.clamp(scales, fp8.min, fp8.max).to(torch.float8_e4m3fn).to(scales.dtype)
-    scales = torch.where(scales == 0, torch.tensor(0.125, dtype=scales.dtype), scales)
+    scales = torch.where(scales == 0, torch.tensor(0.125, dtype=scales.dtype, device=scales.device), scales)
     return scales.to(block.dtype)  # update_qparams copies them into a parameter of the weight's dtype
 
 
@@ -175,7 +175,7 @@ def mx_scales(block):
     exps = 127 + torch.floor(torch.log2(_round_to_power_2(absmax))) - 2
     exps = torch.round(torch.clamp(exps, 0, 255)).to(torch.uint8).to(exps.dtype)
     scales = (2.00 ** ((exps.to(torch.int32) - 127).to(torch.float))).to(exps.dtype)
-    return torch.where(scales == 0, torch.tensor(1, dtype=scales.dtype), scales)
+    return torch.where(scales == 0, torch.tensor(1, dtype=scales.dtype, device=scales.device), scales)
 
 
 def mx_exponents(scales):
@@ -212,7 +212,8 @@ def _fp4_group(block, scales):
 
     cols = block.shape[-1]
     groups = block.unflatten(-1, (-1, cols // scales.shape[-1]))
-    x = torch.clamp(groups / scales.unsqueeze(-1), torch.tensor(-FP4_MAX), torch.tensor(FP4_MAX))
+    lo, hi = torch.tensor(-FP4_MAX, device=block.device), torch.tensor(FP4_MAX, device=block.device)
+    x = torch.clamp(groups / scales.unsqueeze(-1), lo, hi)
     sign = torch.sign(x)
     x = torch.abs(x)
     x[(x >= 0.0) & (x <= 0.25)] = 0.0

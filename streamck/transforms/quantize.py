@@ -13,7 +13,9 @@ gives the bits the whole tensor gives.
   the absmax as it is); the scale grid is [⌈rows/128⌉, ⌈cols/128⌉].
 
 Memory: one band of rows (at most BAND_BYTES of source, or 128 rows for ``block``) and a few
-temporaries of its size. torch is imported inside the computation only.
+temporaries of its size. torch is imported inside the computation only. On a CUDA device
+(``--device``) each band is computed there and its result copied back: the same operations on
+the same dtypes, elementwise or exact, so the same bits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from streamck.dtypes import BITS, TORCH_NAMES
 from streamck.errors import OutputError
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
-from streamck.transforms.base import Computed, PieceStream, Transform
+from streamck.transforms.base import Computed, PieceStream, Transform, device_of
 
 TILE = 128
 FP8_MAX = 448.0
@@ -68,24 +70,30 @@ class Fp8:
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """The part's bytes, one band of rows at a time (see the module's docstring)."""
-        import torch
 
         ref, stream = target.source, None
         if self.inner is not None:  # the merged weight, in the dtype it is quantized from
             computed = Computed(target.name, ref, self.compute)
             stream = PieceStream(self.inner.pieces(computed, reader, space))
             ref = ref._replace(dtype=self.compute)
-        for block in _bands(ref, self.compute, reader, stream):
+        for block in _bands(ref, self.compute, reader, stream, device=device_of(space)):
             scale = _scales(block, self.strategy)
             out = scale if self.part == "scale" else _quantize(block, scale, self.strategy)
-            yield memoryview(out.contiguous().view(torch.uint8).numpy()).cast("B")
+            yield host_bytes(out)
+
+
+def host_bytes(out) -> memoryview:
+    """A computed tensor's bytes in host memory (copied back from a device)."""
+    import torch
+
+    return memoryview(out.contiguous().view(torch.uint8).cpu().numpy()).cast("B")
 
 
 def _bands(ref: TensorRef, compute: str, reader: Reader, stream: PieceStream | None = None, rows_of: str = "block",
-           budget: int = BAND_BYTES):  # fmt: skip
+           budget: int = BAND_BYTES, device: str = "cpu"):  # fmt: skip
     """``ref`` (or what ``stream`` yields in ``ref``'s dtype and shape) as tensors of ``compute``
-    dtype, one band of rows at a time: whole 128-row tiles (``rows_of`` "block", which serves
-    both FP8 strategies) or any rows ("rows")."""
+    dtype on ``device``, one band of rows at a time: whole 128-row tiles (``rows_of`` "block",
+    which serves both FP8 strategies) or any rows ("rows")."""
     import torch
 
     rows, cols = ref.shape
@@ -96,7 +104,7 @@ def _bands(ref: TensorRef, compute: str, reader: Reader, stream: PieceStream | N
         buf = bytearray((end - start) * cols * size)
         if stream.readinto(memoryview(buf)) != len(buf):
             raise OutputError(f"{ref.name} ended early", ref.path)
-        yield torch.frombuffer(buf, dtype=src).reshape(end - start, cols).to(dst)
+        yield torch.frombuffer(buf, dtype=src).reshape(end - start, cols).to(device).to(dst)
 
 
 def _pad(block, rows: int, cols: int):
@@ -127,9 +135,9 @@ def _scales(block, strategy: str):
         lo, hi = torch.amin(tiles, dim=(-2, -1)), torch.amax(tiles, dim=(-2, -1))
     lo, hi = torch.min(lo, torch.zeros_like(lo)), torch.max(hi, torch.zeros_like(hi))
     absmax = torch.max(torch.abs(lo), torch.abs(hi))
-    q_range = torch.tensor(FP8_MAX) - torch.tensor(-FP8_MAX)
+    q_range = torch.tensor(FP8_MAX, device=block.device) - torch.tensor(-FP8_MAX, device=block.device)
     scales = absmax / (q_range.to(absmax.dtype) / 2)
-    eps = torch.tensor(torch.finfo(scales.dtype).eps, dtype=scales.dtype)
+    eps = torch.tensor(torch.finfo(scales.dtype).eps, dtype=scales.dtype, device=block.device)
     return torch.where(scales == 0, eps, scales)
 
 
@@ -138,7 +146,7 @@ def _quantize(block, scales, strategy: str):
     rounded to the weight's dtype (as compressed-tensors' _quantize does)."""
     import torch
 
-    lo, hi = torch.tensor(-FP8_MAX), torch.tensor(FP8_MAX)
+    lo, hi = torch.tensor(-FP8_MAX, device=block.device), torch.tensor(FP8_MAX, device=block.device)
     if strategy == "channel":
         return torch.clamp(block / scales, lo, hi).to(torch.float8_e4m3fn)
     rows, cols = block.shape

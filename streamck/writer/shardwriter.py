@@ -13,6 +13,7 @@ from streamck.errors import OutputError
 from streamck.fileio import start_writeback, write_all
 from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
+from streamck.transforms.base import DEVICE
 from streamck.writer.clone import Sharing, copy_shared, spans
 from streamck.writer.layout import Shard
 from streamck.writer.progress import Silent
@@ -88,7 +89,8 @@ class ShardWriter:
         self.overflow: dict[str, int] = {}
         self._cpu_caster = None
         self._writeback_pool: ThreadPoolExecutor | None = None
-        self._space: dict = {}  # the transforms' buffers, kept from tensor to tensor
+        # the transforms' buffers, kept from tensor to tensor, and the device their torch engines use
+        self._space: dict = {DEVICE: device or "cpu"}
 
     def close(self) -> None:
         for caster in (self.caster, self._cpu_caster):
