@@ -10,10 +10,11 @@ import json
 import pytest
 import torch
 from helpers import cli
-from moe_models import SPECS, logits, tiny_model
+from moe_models import logits, tiny_model
 from safetensors.torch import load_file, save_file
 
 import streamck
+from streamck.plan.moe.families import FAMILIES
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -32,26 +33,23 @@ def _equal(got: dict, want: dict) -> None:
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
-@pytest.mark.parametrize("model_type", sorted(SPECS))
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_runtime_save_to_save_pretrained(model_type, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model = tiny_model(model_type)
     src = _runtime_save(model, tmp_path / "runtime")
     model.save_pretrained(tmp_path / "hf")
     streamck.rewrite(src, tmp_path / "out")
     _equal(load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors"))
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    loaded, info = type(model).from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert torch.equal(logits(loaded.float().eval()), logits(model))
 
 
-@pytest.mark.parametrize("model_type", sorted(SPECS))
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_fuse_experts_is_transformers_own_load(model_type, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    tiny_model(model_type).save_pretrained(tmp_path / "hf")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    model = tiny_model(model_type)
+    model.save_pretrained(tmp_path / "hf")
+    loaded = type(model).from_pretrained(tmp_path / "hf", dtype=torch.float32)
     streamck.rewrite(tmp_path / "hf", tmp_path / "fused", experts="fuse")
     _equal(load_file(tmp_path / "fused" / "model.safetensors"), dict(loaded.state_dict()))
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from streamck.plan.moe.families import DOWN, GATE_UP
+from streamck.plan.moe.layout import DOWN, GATE_UP
 
 _FUSED = re.compile(rf"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<kind>{GATE_UP}|{DOWN})$")
 _PER_EXPERT = re.compile(r"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")

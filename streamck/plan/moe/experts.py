@@ -13,7 +13,7 @@ from dataclasses import replace
 from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan
 from streamck.plan.moe.blocks import Block, find_blocks
-from streamck.plan.moe.families import DOWN, GATE_UP, Family
+from streamck.plan.moe.layout import DOWN, GATE_UP, Family
 from streamck.source.select import Rows, concat, select
 
 
@@ -23,11 +23,13 @@ def _one(ts: dict[str, OutputTensor], name: str, block: str, what: str) -> Outpu
     return ts[name]
 
 
-def check_router(ts: dict[str, OutputTensor], block: str, suffix: str, experts: int) -> None:
-    """Refuse a router whose rows are not the expert count (a missing router is refused too)."""
+def check_router(ts: dict[str, OutputTensor], block: str, suffix: str, experts: int, extra: int = 0) -> None:
+    """Refuse a router whose rows are not the expert count plus ``extra`` (rows for experts
+    that are no tensors: LongCat's zero experts, Inkling's shared ones); a missing router too."""
     router = _one(ts, f"{block}.{suffix}", block, "router")
-    if not router.shape or router.shape[0] != experts:
-        raise PlanError(f"MoE block {block}: router {router.name} has shape {list(router.shape)}, not {experts} rows")
+    if not router.shape or router.shape[0] != experts + extra:
+        rows = experts + extra
+        raise PlanError(f"MoE block {block}: router {router.name} has shape {list(router.shape)}, not {rows} rows")
 
 
 def check_count(block: str, found: int, stated: int | None) -> None:
@@ -56,21 +58,24 @@ def _pick(t: OutputTensor, name: str, rows: Rows | None, index: int) -> OutputTe
     return OutputTensor(name, select(t.source, rows, index=index, name=label), t.dtype)
 
 
-def unfuse_block(ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None) -> list[OutputTensor]:
+def unfuse_block(
+    ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None, extra: int = 0
+) -> list[OutputTensor]:
     """Block ``b``'s tensors (from ``ts`` by output name) under save_pretrained's names: fused
-    experts split into per-expert rows where the family writes them so, renamed otherwise."""
+    experts split into per-expert rows where the family writes them so, renamed otherwise
+    (``extra``: the router's rows beyond the experts)."""
     gu = _one(ts, f"{b.name}.experts.{GATE_UP}", b.name, "fused tensor")
     dn = _one(ts, f"{b.name}.experts.{DOWN}", b.name, "fused tensor")
     experts, inter = _fused_shapes(gu, dn, b.name) if fam.per_expert else (gu.shape[0], 0)
     check_count(b.name, experts, stated)
-    check_router(ts, b.name, fam.router, experts)
+    check_router(ts, b.name, fam.router, experts, extra)
     disk = b.name[: len(b.name) - len(b.leaf)] + fam.disk_block
     out = []
     for name, t in ts.items():
-        if name.startswith(b.name + ".") and t is not gu and t is not dn:
+        if name.startswith(b.name + ".") and (fam.experts is None or (t is not gu and t is not dn)):
             out.append(replace(t, name=f"{disk}.{fam.disk_suffix(name[len(b.name) + 1 :])}"))
-    if not fam.per_expert:  # written fused, as it runs
-        return [*out, gu, dn]
+    if not fam.per_expert:  # written fused, as it runs (renamed where the family's files name it otherwise)
+        return out
     gate, up, down = fam.experts
     for e in range(experts):
         pre = f"{disk}.experts.{e}"
@@ -98,18 +103,20 @@ def _experts_of(b: Block, fam: Family, stated: int | None) -> int:
     return want
 
 
-def check_per_expert(ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None) -> None:
+def check_per_expert(ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None, extra: int = 0) -> None:
     """Refuse a per-expert block with experts missing or a count or router that disagrees."""
     experts = _experts_of(b, fam, stated)
     router = fam.disk_suffix(fam.router)
-    check_router(ts, b.name, router, experts)
+    check_router(ts, b.name, router, experts, extra)
 
 
-def fuse_block(ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None) -> list[OutputTensor]:
+def fuse_block(
+    ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None, extra: int = 0
+) -> list[OutputTensor]:
     """Per-expert block ``b`` under the runtime names transformers loads it to: experts fused
     into ``gate_up_proj`` [E, 2I, H] (gate, up per expert) and ``down_proj`` [E, H, I]."""
     experts = _experts_of(b, fam, stated)
-    check_router(ts, b.name, fam.disk_suffix(fam.router), experts)
+    check_router(ts, b.name, fam.disk_suffix(fam.router), experts, extra)
     gate, up, down = fam.experts  # type: ignore[misc]
     run = b.name[: len(b.name) - len(b.leaf)] + fam.block
     per = [[ts[b.experts[p][e]] for p in (gate, up, down)] for e in range(experts)]
