@@ -26,6 +26,7 @@ _MLA = dict(num_key_value_heads=2, head_dim=4, kv_lora_rank=8, q_lora_rank=8, qk
 _MLA["v_head_dim"] = 4
 # model_type -> the config fields that make it an MoE of 4 experts (first_k_dense_replace=1: one dense layer).
 _SHARED = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12)
+_GEMMA4 = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=12, global_head_dim=8)
 SPECS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
     "qwen2_moe": _SHARED,
@@ -67,6 +68,9 @@ SPECS = {
         n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=12, qk_head_dim=8, moe_topk=2, **_MLA
     ),
     **dict.fromkeys(("axk1", "axk2", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "mistral4"), _MLA),
+    "gemma4_text": _GEMMA4,
+    "gemma4": dict(text_config=_GEMMA4, tie_word_embeddings=False),
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=8),
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2),
 }
 
@@ -90,17 +94,17 @@ SMALL = dict(
 )
 # Per-layer lists sized for the default depth: dropped, so that the config builds its own for 2 layers.
 _PER_LAYER = ("layer_types", "mlp_layer_types", "layers_block_type", "mlp_only_layers", "no_rope_layers", "moe_layers")
-_PER_LAYER += ("num_attention_heads_per_layer",)
+_PER_LAYER += ("num_attention_heads_per_layer", "per_layer_config")
 
 
 def _shrink(d: dict) -> dict:
     for key, value in list(d.items()):
-        if isinstance(value, dict):
+        if key in _PER_LAYER and isinstance(value, list | dict):
+            del d[key]
+        elif isinstance(value, dict):
             _shrink(value)
         elif key in SMALL and isinstance(value, int) and not isinstance(value, bool):
             d[key] = SMALL[key]
-        elif key in _PER_LAYER and isinstance(value, list):
-            del d[key]
     return d
 
 

@@ -14,9 +14,35 @@ from moe_models import logits, tiny_model
 from safetensors.torch import load_file, save_file
 
 import streamck
-from streamck.plan.moe.families import FAMILIES
+from streamck.plan.moe.families import FAMILIES, REFUSED
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _fused_moe_model_types() -> list[str]:
+    """Every model_type transformers ships that runs as a language model (a causal LM or an
+    image-text-to-text model) with experts fused at run time: its modeling file decorates an
+    experts class with @use_experts_implementation or holds a fused gate_up_proj parameter."""
+    import re
+    from pathlib import Path
+
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    fused = re.compile(r"@use_experts_implementation|self\.gate_up_proj = nn\.Parameter")
+    root = Path(transformers.__file__).parent / "models"
+    modules = {p.parent.name for p in root.glob("*/modeling_*.py") if fused.search(p.read_text())}
+    lm = {**modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+    names = configuration_auto.CONFIG_MAPPING_NAMES
+    return sorted(t for t in names if t in lm and configuration_auto.model_type_to_module_name(t) in modules)
+
+
+def test_every_fused_moe_family_is_known():
+    """A family is in the table (and so checked below) or refused with its reason; none unheard of."""
+    types = _fused_moe_model_types()
+    assert len(types) > 50  # the scan itself still finds transformers' MoE models
+    assert [t for t in types if t not in FAMILIES and t not in REFUSED] == []
+    assert set(FAMILIES) | set(REFUSED) <= set(types)
 
 
 def _runtime_save(model, d):
@@ -91,6 +117,10 @@ def _config(src, **changes):
     [
         ({"num_experts": 8}, "4 experts, but config.json says 8"),
         ({"model_type": "unheard_of_moe"}, "model_type 'unheard_of_moe' has experts but no known layout"),
+        (
+            {"model_type": "nemotron_h"},
+            "'nemotron_h': experts not rewritten, save_pretrained renames the whole model",
+        ),
     ],
 )
 def test_refused_config(change, message, tmp_path):

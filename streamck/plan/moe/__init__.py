@@ -81,17 +81,19 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
     if fam is None:
         if mode == "keep":
             return plan
-        why = f" ({REFUSED[model_type]})" if model_type in REFUSED else f"; known: {', '.join(sorted(FAMILIES))}"
         hint = " (--keep-fused writes them as they are)" if fused and mode == "auto" else ""
-        raise PlanError(f"model_type {model_type!r} has experts but no known layout{hint}{why}", path)
+        if model_type in REFUSED:
+            raise PlanError(f"model_type {model_type!r}: experts not rewritten, {REFUSED[model_type]}{hint}", path)
+        known = ", ".join(sorted(FAMILIES))
+        raise PlanError(f"model_type {model_type!r} has experts but no known layout{hint}; known: {known}", path)
     stated = expert_count(config)
-    extra = sum(v for k in fam.router_extra if isinstance(v := config.get(k), int))
+    extra = sum(k if isinstance(k, int) else _int(config.get(k)) for k in fam.router_extra)
     ts = {t.name: t for t in plan.tensors}
     done: dict[str, list[OutputTensor]] = {}
     for b in blocks.values():
         if b.fused and b.experts:
             raise PlanError(f"MoE block {b.name}: both fused and per-expert tensors")
-        if b.leaf not in (fam.block, fam.disk_block):
+        if fam.block and b.leaf not in (fam.block, fam.disk_block):
             raise PlanError(f"MoE block {b.name}: {model_type} keeps its experts under .{fam.block}, not .{b.leaf}")
         block_ts = {n: t for n, t in ts.items() if n.startswith(b.name + ".")}
         if b.fused:
@@ -106,6 +108,11 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
         else:
             check_per_expert(ts, b, fam, stated, extra)
     return _replaced(plan, done, model_type, mode, fam)
+
+
+def _int(value: object) -> int:
+    """A config's count, 0 where it is missing or not a number."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _to_runtime(plan: Plan, fam: Family) -> dict[str, Block]:

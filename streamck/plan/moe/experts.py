@@ -69,7 +69,7 @@ def unfuse_block(
     experts, inter = _fused_shapes(gu, dn, b.name) if fam.per_expert else (gu.shape[0], 0)
     check_count(b.name, experts, stated)
     check_router(ts, b.name, fam.router, experts, extra)
-    disk = b.name[: len(b.name) - len(b.leaf)] + fam.disk_block
+    disk = b.name[: len(b.name) - len(b.leaf)] + fam.disk_block if fam.block else b.name
     out = []
     for name, t in ts.items():
         if name.startswith(b.name + ".") and (fam.experts is None or (t is not gu and t is not dn)):

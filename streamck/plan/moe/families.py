@@ -34,14 +34,20 @@ _GRANITE = Family(
     ),
 )
 _FUSED = Family("mlp", "mlp", None, "gate.weight")  # on disk as at run time
+_ARIA = replace(
+    _FUSED,
+    router="router.weight",
+    renames=((f"experts.{GATE_UP}", "experts.fc1.weight"), (f"experts.{DOWN}", "experts.fc2.weight")),
+)
 
 # model_type -> layout (transformers' _MODEL_TO_CONVERSION_PATTERN maps many types onto these).
 FAMILIES: dict[str, Family] = {
     # Per expert, Qwen2-MoE's names (mlp.experts.e.gate_proj / up_proj / down_proj).
     **dict.fromkeys(
-        ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp_text"), _QWEN
+        ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text"),
+        _QWEN,
     ),
-    **dict.fromkeys(("olmoe", "flex_olmo", "deepseek_v2", "cohere2_moe", "mellum"), _QWEN),
+    **dict.fromkeys(("olmoe", "flex_olmo", "deepseek_v2", "cohere2_moe", "mellum", "qwen3_omni_moe_thinker"), _QWEN),
     **dict.fromkeys(("deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "solar_open", "dots1"), _DSV3),
     **dict.fromkeys(("deepseek_v32", "glm_moe_dsa"), replace(_DSV3, fp32_fp16=_INDEXER)),
     "axk2": replace(  # its gated norms' low-rank MLP and its fused query/gate projection, as its files name them
@@ -89,10 +95,15 @@ FAMILIES: dict[str, Family] = {
     "lfm2_moe": Family("feed_forward", "feed_forward", _MIX, "gate.weight"),
     # Fused on disk, renamed (Granite-MoE: input_linear / output_linear; Aria: experts.fc1 / fc2).
     **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid"), _GRANITE),
-    "aria_text": replace(
-        _FUSED,
-        router="router.weight",
-        renames=((f"experts.{GATE_UP}", "experts.fc1.weight"), (f"experts.{DOWN}", "experts.fc2.weight")),
+    "aria_text": _ARIA,
+    "aria": replace(  # and the language model under language_model.model, the rest of the model at the root
+        _ARIA,
+        names=(
+            ("model.language_model.", "language_model.model."),
+            ("lm_head.", "language_model.lm_head."),
+            ("model.multi_modal_projector.", "multi_modal_projector."),
+            ("model.vision_tower.", "vision_tower."),
+        ),
     ),
     # Fused on disk as at run time (gpt-oss: gate/up interleaved, [E, H, 2I]; Llama 4: [E, H, 2I]).
     "gpt_oss": replace(
@@ -100,6 +111,8 @@ FAMILIES: dict[str, Family] = {
     ),
     **dict.fromkeys(("llama4", "llama4_text"), Family("feed_forward", "feed_forward", None, "router.weight")),
     **dict.fromkeys(("qwen3_vl_moe", "mistral4", "minimax_m3_vl_text"), _FUSED),
+    **dict.fromkeys(("gemma4", "gemma4_text"), Family("", "", None, "router.proj.weight")),
+    "zaya": replace(_FUSED, router="gate.router_mlp.out_proj.weight", router_extra=(1,)),  # a no-op expert's row
     "granitemoe_swa": Family("block_sparse_moe", "block_sparse_moe", None, "router.weight"),
     "inkling_text": replace(
         _FUSED, router_extra=("n_shared_experts",), fp32=("attn_sconv", "mlp_sconv", "k_sconv", "v_sconv")
@@ -110,6 +123,14 @@ FAMILIES: dict[str, Family] = {
 REFUSED: dict[str, str] = {
     "deepseek_v4": "save_pretrained renames most of the model (attn, ffn, norms, hc_*) by regular expression",
     "kimi_linear": "save_pretrained also splits the attention's stacked conv1d weights",
+    "hy_v4": "save_pretrained renames its hyper-connection tensors (hc_pre.*) and gates (linear_gate) too",
+    "minimax_m3_vl": "save_pretrained rebuilds its vision tower's names (vision_model, patch_merge_mlp)",
+    "step3p7": "save_pretrained rebuilds its vision model's names (transformer.resblocks, vit_large_projector)",
+    "deepseek_ocr2": "save_pretrained renames its vision encoders by regular expression (sam_model.blocks.N …)",
+    "diffusion_gemma": "not checked: its model (a text diffusion model on Gemma 4) builds from no small config here",
+    "ernie4_5_vl_moe": "save_pretrained writes its text and vision experts as one list, transposed",
+    "glm5_next": "save_pretrained also splits the attention's stacked conv1d weights",
+    "inkling_mm_model": "its files interleave gate and up rows (w13_weight) and rename most of the model",
     "longcat_flash": "its gate_up_proj has rows for the zero (identity) experts that down_proj has not",
     "nemotron_h": "save_pretrained renames the whole model (model. -> backbone.) and its experts have no gate",
 }

@@ -26,13 +26,15 @@ class Family:
     """One family's expert layout.
 
     ``block`` is the module holding ``experts`` at run time (``mlp``, ``feed_forward``,
-    ``block_sparse_moe``) and ``disk_block`` its name in ``save_pretrained``'s files; every
+    ``block_sparse_moe``; empty where the decoder layer holds them itself, Gemma 4, which then
+    writes them as they run) and ``disk_block`` its name in ``save_pretrained``'s files; every
     tensor under an MoE block takes ``disk_block`` there. ``experts`` are the per-expert disk
     names of gate, up and down (``gate_proj``/``up_proj``/``down_proj``, Mixtral's
     ``w1``/``w3``/``w2``), or None where the file keeps them fused. ``renames`` map a suffix
     under the runtime block to its disk suffix (a router, or fused experts, that the file names
     otherwise). ``router`` is the runtime suffix of the router's weight, [E + extra, H], the
-    extra rows the sum of the config keys ``router_extra`` (LongCat's zero experts). ``names``
+    extra rows the sum of ``router_extra``: config keys (Inkling's shared experts) or numbers
+    (Zaya's no-op expert). ``names``
     are substrings of any tensor name that save_pretrained writes otherwise (runtime, disk).
     ``fp32`` are transformers' ``_keep_in_fp32_modules_strict`` patterns (kept in float32 under
     a bf16 or fp16 load), ``fp32_fp16`` its ``_keep_in_fp32_modules`` (under fp16 only).
@@ -43,7 +45,7 @@ class Family:
     experts: tuple[str, str, str] | None
     router: str
     renames: tuple[tuple[str, str], ...] = ()
-    router_extra: tuple[str, ...] = ()
+    router_extra: tuple[str | int, ...] = ()
     names: tuple[tuple[str, str], ...] = ()
     fp32: tuple[str, ...] = ()
     fp32_fp16: tuple[str, ...] = ()
