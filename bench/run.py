@@ -827,41 +827,48 @@ def case_lora(a: argparse.Namespace, tmp: Path) -> str:
 
 @case
 def case_quant(a: argparse.Namespace, tmp: Path) -> str:
-    """bf16 Llama (in shards, and as one file) -> FP8_BLOCK: llm-compressor's model_free_ptq vs
-    streamck --quantize vs cp -r of the base."""
+    """bf16 Llama (in shards, and as one file) -> FP8_BLOCK and NVFP4A16: llm-compressor's
+    model_free_ptq vs streamck --quantize vs cp -r of the base."""
     size = parse_size(a.size)
     sharded, one = tmp / "sharded", tmp / "one"
     subprocess.run([PY, str(HERE / "lora_ckpt.py"), "base", str(sharded), str(size)], check=True)
     subprocess.run(streamck("rewrite", str(sharded), "-o", str(one), "-q"), check=True)  # one model.safetensors
-    ptq, ignore = str(HERE / "quant_ckpt.py"), ("lm_head",)
     out, sections = tmp / "out", []
-    for label, base in (("in shards", sharded), ("one file", one)):
-        contenders = {
-            "cp -r + sync (base)": cp_fsync(base),
-            "model_free_ptq FP8_BLOCK": lambda o, b=base: [PY, ptq, "ptq", str(b), str(o), "FP8_BLOCK", *ignore],
-            "streamck --quantize FP8_BLOCK": lambda o, b=base: streamck(
-                "rewrite", str(b), "-o", str(o), "--quantize", "FP8_BLOCK", "--quantize-ignore", "lm_head", "-q"
-            ),
-        }
-        runs = contend(contenders, out, a.reps, a.settle, (base,))
-        # the outputs themselves, once more: every tensor and config.json equal
-        subprocess.run([PY, ptq, "ptq", str(base), str(out / "p"), "FP8_BLOCK", *ignore], check=True)
-        subprocess.run(contenders["streamck --quantize FP8_BLOCK"](out / "s"), check=True)
-        same = subprocess.run(streamck("diff", str(out / "s"), str(out / "p"), "--data", "-q"), capture_output=True)
-        config = (out / "s" / "config.json").read_bytes() == (out / "p" / "config.json").read_bytes()
-        verdict = "equal" if same.returncode == 0 and config else "NOT equal"
-        shutil.rmtree(out)
-        shards = len(list(base.glob("*.safetensors")))
-        sections.append(
-            f"Base {label} ({shards} file{'s' if shards > 1 else ''}): outputs {verdict} (every tensor under "
-            f"`diff --data`, and config.json byte for byte).\n\n" + table(runs, "cp -r + sync (base)", _dir_bytes(base))
-        )
+    for scheme in a.schemes.split(","):
+        for label, base in (("in shards", sharded), ("one file", one)):
+            runs, verdict = _quant_runs(a, base, scheme, out)
+            shards = len(list(base.glob("*.safetensors")))
+            sections.append(
+                f"{scheme}, base {label} ({shards} file{'s' if shards > 1 else ''}): outputs {verdict} (every "
+                f"tensor under `diff --data`, and config.json byte for byte).\n\n"
+                + table(runs, "cp -r + sync (base)", _dir_bytes(base))
+            )
     _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
     return (
         f"Base: bf16 Llama by bench/lora_ckpt.py, {_dir_bytes(sharded) / 2**30:.2f} GiB (hidden 1024, MLP 2816, "
-        f"vocab 32000), FP8_BLOCK with --quantize-ignore lm_head. {a.reps} interleaved reps, {a.settle:.0f} s "
-        f"settle. `python -c 'import torch'` alone peaks at {mib(torch_rss)}.\n\n" + "\n\n".join(sections)
+        f"vocab 32000), with --quantize-ignore lm_head. {a.reps} interleaved reps, {a.settle:.0f} s settle. "
+        f"`python -c 'import torch'` alone peaks at {mib(torch_rss)}.\n\n" + "\n\n".join(sections)
     )
+
+
+def _quant_runs(a: argparse.Namespace, base: Path, scheme: str, out: Path) -> tuple[dict, str]:
+    """One scheme on one base: the three contenders interleaved, then both outputs compared once."""
+    ptq, ignore = str(HERE / "quant_ckpt.py"), ("lm_head",)
+    ours = f"streamck --quantize {scheme}"
+    contenders = {
+        "cp -r + sync (base)": cp_fsync(base),
+        f"model_free_ptq {scheme}": lambda o: [PY, ptq, "ptq", str(base), str(o), scheme, *ignore],
+        ours: lambda o: streamck(
+            "rewrite", str(base), "-o", str(o), "--quantize", scheme, "--quantize-ignore", "lm_head", "-q"
+        ),
+    }
+    runs = contend(contenders, out, a.reps, a.settle, (base,))
+    subprocess.run([PY, ptq, "ptq", str(base), str(out / "p"), scheme, *ignore], check=True)
+    subprocess.run(contenders[ours](out / "s"), check=True)
+    same = subprocess.run(streamck("diff", str(out / "s"), str(out / "p"), "--data", "-q"), capture_output=True)
+    config = (out / "s" / "config.json").read_bytes() == (out / "p" / "config.json").read_bytes()
+    shutil.rmtree(out)
+    return runs, "equal" if same.returncode == 0 and config else "NOT equal"
 
 
 def _peft_version() -> str:
@@ -914,6 +921,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=10.0, help="seconds of idle before each timed child")
     p.add_argument("--shards", type=int, default=1000, help="index: shard count")
     p.add_argument("--tensors", type=int, default=100, help="index: tensors per shard")
+    p.add_argument("--schemes", default="FP8_BLOCK,NVFP4A16", help="quant: the schemes, comma-separated")
     p.add_argument("--eagle-scale", type=int, default=2, help="eagle4: divide the 70B-target draft's sizes by this")
     p.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md alone")
     a = p.parse_args()

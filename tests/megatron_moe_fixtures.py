@@ -32,12 +32,22 @@ from megatron_ckpt import ITERATION, SEQ, WORLD, _cuda_stand_ins, _import_megatr
 # 4 experts of hidden 24, top 2, vocab 128. Qwen2-MoE adds a qkv bias and a gated shared expert
 # of hidden 16, and routes as its norm_topk_prob=False does: softmax over every expert, then the
 # top 2 (Megatron's moe_router_pre_softmax); the others renormalise the top 2 (softmax over them).
-MODELS = {"qwen3_moe": (True, "qwen3_moe"), "mixtral": (False, "mixtral"), "qwen2_moe": (False, "qwen2_moe")}
+MODELS = {
+    "qwen3_moe": (True, "qwen3_moe"),
+    "mixtral": (False, "mixtral"),
+    "qwen2_moe": (False, "qwen2_moe"),
+    "mixtral_te": (False, "mixtral"),
+}
+# Saved under Transformer Engine's MoE names: its layer spec keeps the norm before the experts a
+# module of its own (gpt_layer_specs.py: ``pre_mlp_layernorm=TENorm if num_experts``, no key map
+# for it), where the local spec maps it to the dense ``mlp.linear_fc1.layer_norm_weight``. TE
+# needs CUDA: the local spec without that one entry of its key map saves what TE's does.
+TE_NAMES = {"mixtral_te"}
 SHARED = 16
 L, H, NH, NKV, D, E, F, TOPK, V = 2, 32, 4, 2, 8, 4, 24, 2, 128
 
 
-def build(qk: bool, ep: int, family: str, tp: int = 1):
+def build(qk: bool, ep: int, family: str, tp: int = 1, te_names: bool = False):
     import torch.nn.functional as fn
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -53,6 +63,8 @@ def build(qk: bool, ep: int, family: str, tp: int = 1):
         tensor_model_parallel_size=tp,
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk)
+    if te_names:
+        del spec.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."]
     return GPTModel(
         config, transformer_layer_spec=spec, vocab_size=V, max_sequence_length=64, parallel_output=False,
         position_embedding_type="rope", rotary_base=1000000, share_embeddings_and_output_weights=False,
@@ -113,7 +125,7 @@ def _save(name: str, qk: bool, family: str, root: Path, rank: int) -> None:
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(0)
-    model = build(qk, WORLD, family)
+    model = build(qk, WORLD, family, te_names=name in TE_NAMES)
     step = root / name / f"iter_{ITERATION:07d}"
     if rank == 0:
         step.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ def megatron_moe(request, tmp_path_factory) -> dict[str, Path]:
     return {d.name: d for d in base.iterdir() if d.is_dir()}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_tp2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_tp2", "mixtral_te"])
 def test_logits_and_names_match(megatron_moe, tmp_path, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -67,6 +67,17 @@ def test_logits_and_names_match(megatron_moe, tmp_path, name):
     model.save_pretrained(tmp_path / "again")  # transformers' own names for these weights
     want, mine = load_file(tmp_path / "again" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert set(mine) == set(want) and all(torch.equal(mine[k], want[k]) for k in want)
+
+
+def test_transformer_engine_names_its_norm_before_the_experts(megatron_moe):
+    """What a GPU run (Transformer Engine's spec) saves: the norm before the experts under its own
+    module's name, which the local spec saves under the dense layer's fused norm name."""
+    from streamck.source import open_checkpoint
+
+    te = open_checkpoint(megatron_moe["mixtral_te"] / "iter_0000010").tensors
+    local = open_checkpoint(megatron_moe["mixtral"] / "iter_0000010").tensors
+    assert "decoder.layers.pre_mlp_layernorm.weight" in te and "decoder.layers.pre_mlp_layernorm.weight" not in local
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in local
 
 
 def test_experts_read_from_their_expert_parallel_rank(megatron_moe):

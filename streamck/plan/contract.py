@@ -52,6 +52,24 @@ def load_config(path: Path) -> dict:
     return config
 
 
+def positive_int(value: object) -> bool:
+    """Whether ``value`` is an int above zero (a bool is not)."""
+    return type(value) is int and value > 0
+
+
+def check_sizes(config: dict, required: Iterable[str], optional: Iterable[str], where: Path) -> None:
+    """Refuse a config whose ``required`` size keys are missing or not positive integers, or
+    whose ``optional`` ones are set to anything else."""
+    for key in required:
+        if key not in config:
+            raise PlanError(f"required key {key!r} is missing", where)
+        if not positive_int(config[key]):
+            raise PlanError(f"{key} must be a positive integer, not {config[key]!r}", where)
+    for key in optional:
+        if config.get(key) is not None and not positive_int(config[key]):
+            raise PlanError(f"{key} must be a positive integer, not {config[key]!r}", where)
+
+
 def compare_keys(expected: Iterable[str], found: Iterable[str], mismatch: str, where: Path) -> None:
     """Refuse tensors whose names are not exactly ``expected``: ``mismatch`` (what they do
     not match), then the missing and the unexpected names."""

@@ -146,7 +146,7 @@ def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoin
     tensors, paths = tiled(entries, layout.root)
     files |= {p: FileStamp.of(p) for p in paths if p not in files}
     cross_check(layout.side_root or layout.root, tensors)
-    return Checkpoint(path, layout.root, tensors, {}, files, notices, layout.side_root)
+    return Checkpoint(path, layout.root, tensors, {}, files, [*layout.notes, *notices], layout.side_root)
 
 
 _name = itemgetter(0)  # TensorRef.name, at C speed
@@ -172,7 +172,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
-    notices: list[str] = []
+    notices: list[str] = list(layout.notes)
     for shard in layout.shards:
         files[shard] = FileStamp.of(shard)  # before reading: a change while we read shows too
         header = _read_shard(shard, select, notices)

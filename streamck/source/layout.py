@@ -40,6 +40,11 @@ DCP_METADATA = ".metadata"
 # Automodel: a step being written holds this file; the model's side files live here.
 INCOMPLETE = ".incomplete"
 HF_METADATA = Path("model", ".hf_metadata")
+# Automodel writes .hf_metadata (config, tokenizer) for safetensors saves only.
+NO_HF_METADATA = (
+    "no config.json in this Automodel step (model_save_format: torch_save saves none): put the model's "
+    "config.json and tokenizer in its model/ folder and rewrite again, for an output from_pretrained opens"
+)
 # What a directory output leaves behind of the source directory: weights (streamck writes
 # its own), their indexes, and training state, which no loader reads. Everything else
 # (config, every tokenizer file, custom code, README) goes along.
@@ -88,7 +93,7 @@ class Layout:
     ``side_root`` holds the config and tokenizer files; ``zero`` is set when ZeRO state
     sits beside a weights file (a Trainer ``checkpoint-N/``), for the index to choose, and
     ``zero_unclear`` says why it is not when that is a guess (several step folders, no
-    ``latest``), raised only if the ZeRO state is needed.
+    ``latest``), raised only if the ZeRO state is needed. ``notes`` are said when it is read.
     """
 
     root: Path
@@ -100,6 +105,7 @@ class Layout:
     side_root: Path | None = None
     zero: Path | None = None
     zero_unclear: CheckpointError | None = None
+    notes: tuple[str, ...] = ()  # notices the index starts with (what a trainer's folder leaves out)
 
 
 def _load_index(index_path: Path) -> dict[str, str]:
@@ -225,7 +231,8 @@ def _olmo(path: Path) -> Layout | None:
 
 def _automodel_step(path: Path) -> Layout | None:
     """An Automodel step folder: ``model/consolidated`` when it is there, else the shards
-    in ``model/`` consolidated on the fly; side files from ``model/.hf_metadata``."""
+    in ``model/`` consolidated on the fly; side files from ``model/.hf_metadata``, and a note
+    when there is none (a torch_save step)."""
     if (path / INCOMPLETE).exists():
         raise CheckpointError(f"this step is still being written (it holds {INCOMPLETE}); pick a finished one", path)
     if (path / CONSOLIDATED).is_dir() and any((path / CONSOLIDATED).iterdir()):
@@ -234,7 +241,10 @@ def _automodel_step(path: Path) -> Layout | None:
     if found is None:
         return None
     side = path / HF_METADATA
-    return Layout(found.root, found.shards, kind=found.kind, side_root=side if side.is_dir() else found.root)
+    if side.is_dir():
+        return Layout(found.root, found.shards, kind=found.kind, side_root=side)
+    notes = () if (found.root / "config.json").is_file() else (NO_HF_METADATA,)
+    return Layout(found.root, found.shards, kind=found.kind, side_root=found.root, notes=notes)
 
 
 def side_files(root: Path) -> dict[str, Path]:
@@ -314,7 +324,7 @@ def hub_snapshot(path: Path) -> Path:
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     path = hub_snapshot(path)
-    from streamck.source import fsdp, verl
+    from streamck.source import fsdp, verl, verl_megatron
     from streamck.source.zero import find_zero, rank_file_error
 
     if path.is_file():
@@ -362,6 +372,10 @@ def find_layout(path: Path) -> Layout:
     step = _automodel_step(path) if (path / "model").is_dir() else None
     if step is not None:
         return step
+    found = verl_megatron.hf_weights(path)
+    if found is not None:  # a verl Megatron actor saved as verl does by default: the bridge's HF weights
+        actor, hf = found
+        return replace(find_layout(hf), notes=(verl_megatron.left_beside(actor, f"{hf.relative_to(actor)}/"),))
     found = steps(path)
     if found:
         listed = ", ".join(map(str, found))

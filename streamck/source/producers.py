@@ -27,6 +27,12 @@ PRODUCERS = (
         ("tok_embeddings.weight", "layers.*.attention.*wq.weight"),
     ),
     (
+        "a Megatron torch_dist checkpoint (GPTModel, multi-latent attention: DeepSeek-V3)",
+        "--plan megatron-gpt with --hf-config naming model_type deepseek_v3 writes a Hugging Face model "
+        "(renamed alone, layers and experts stay stacked)",
+        ("embedding.word_embeddings.weight", "decoder.layers.*self_attention.linear_kv_down_proj.weight"),
+    ),
+    (
         "a Megatron torch_dist checkpoint (GPTModel)",
         "--plan megatron-gpt writes a Hugging Face model (renamed alone, layers stay stacked, q/k/v interleaved)",
         ("embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight"),

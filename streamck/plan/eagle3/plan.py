@@ -16,7 +16,16 @@ from pathlib import Path
 from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError, UsageError, listing
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
-from streamck.plan.contract import check_shape, compare_keys, evaluate, find_checkpoint_dir, load_config, only_casts
+from streamck.plan.contract import (
+    check_shape,
+    check_sizes,
+    compare_keys,
+    evaluate,
+    find_checkpoint_dir,
+    load_config,
+    only_casts,
+    positive_int,
+)
 from streamck.plan.eagle3.aux import AuxLayers, check_aux_layers, resolve_aux_layers
 from streamck.plan.eagle3.layout import (
     AUX_ID_KEYS,
@@ -52,10 +61,6 @@ from streamck.source.layout import HF_METADATA
 Row = tuple[str, str, tuple[str, ...], tuple[str, ...]]
 
 
-def _positive_int(value: object) -> bool:
-    return type(value) is int and value > 0
-
-
 def flag(config: dict, name: str) -> bool:
     """A norm toggle as both engines read it: ``eagle_config``'s, else the top level's; absent is false."""
     eagle = config.get("eagle_config") or {}
@@ -72,14 +77,7 @@ def structure(config: dict, where: Path) -> dict[str, int]:
     def refuse(message: str) -> PlanError:
         return PlanError(message, where)
 
-    for key in REQUIRED_SIZES:
-        if key not in config:
-            raise refuse(f"required key {key!r} is missing")
-        if not _positive_int(config[key]):
-            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
-    for key in OPTIONAL_SIZES:
-        if config.get(key) is not None and not _positive_int(config[key]):
-            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
+    check_sizes(config, REQUIRED_SIZES, OPTIONAL_SIZES, where)
     if "rms_norm_eps" not in config:
         raise refuse("required key 'rms_norm_eps' is missing")
     eps = config["rms_norm_eps"]
@@ -100,7 +98,7 @@ def structure(config: dict, where: Path) -> dict[str, int]:
                 raise refuse(f"{scope}{name} must be true or false, not {table[name]!r}")
     if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
         raise refuse("eagle_config.use_aux_hidden_state: false drops the fc these loaders build")
-    if not _positive_int(config.get("num_hidden_layers")):
+    if not positive_int(config.get("num_hidden_layers")):
         raise refuse(
             f"num_hidden_layers (the target's layer count, which the aux layer ids index) must be a positive "
             f"integer, not {config.get('num_hidden_layers')!r}"

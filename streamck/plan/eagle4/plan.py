@@ -14,7 +14,15 @@ from pathlib import Path
 from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
-from streamck.plan.contract import check_shape, compare_keys, evaluate, find_checkpoint_dir, load_config, only_casts
+from streamck.plan.contract import (
+    check_shape,
+    check_sizes,
+    compare_keys,
+    evaluate,
+    find_checkpoint_dir,
+    load_config,
+    only_casts,
+)
 from streamck.plan.eagle4.layout import (
     AUX_LAYERS,
     BIASES,
@@ -37,10 +45,6 @@ from streamck.source.layout import HF_METADATA
 DRAFT_MARKS = ("eagle", "efficient_lm_head")
 
 
-def _positive_int(value: object) -> bool:
-    return type(value) is int and value > 0
-
-
 def structure(config: dict, where: Path) -> dict[str, int]:
     """Check the training config and return the shape symbols (H, T, A, nh, nkv, d, I, V, R).
 
@@ -57,14 +61,7 @@ def structure(config: dict, where: Path) -> dict[str, int]:
             f"is not an EAGLE draft's config ({kind}, no eagle_config or efficient_lm_head keys): "
             "--plan eagle4 exports a trained EAGLE-4 draft"
         )
-    for key in REQUIRED_SIZES:
-        if key not in config:
-            raise refuse(f"required key {key!r} is missing")
-        if not _positive_int(config[key]):
-            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
-    for key in OPTIONAL_SIZES:
-        if config.get(key) is not None and not _positive_int(config[key]):
-            raise refuse(f"{key} must be a positive integer, not {config[key]!r}")
+    check_sizes(config, REQUIRED_SIZES, OPTIONAL_SIZES, where)
     eps = config.get("rms_norm_eps")
     if "rms_norm_eps" not in config:
         raise refuse("required key 'rms_norm_eps' is missing")

@@ -31,8 +31,13 @@ class _ArgsPickle(_WeightsOnly):
         return super().find_class(module, name)
 
 
+def _plain(value: object) -> bool:
+    """Plain data: a PLAIN value, or a list of them (``moe_layer_freq`` as ``[0]*3+[1]*58`` parses)."""
+    return isinstance(value, PLAIN) or (isinstance(value, list) and all(isinstance(v, PLAIN) for v in value))
+
+
 def read_args(step: Path) -> tuple[dict, int | None]:
-    """(the plain-valued fields of the saved ``args``, the iteration); ({}, None) when the
+    """(the plain-valued fields of the saved ``args`` (lists of plain values too), the iteration); ({}, None) when the
     checkpoint holds no common state or no args. A refused or broken item is a PlanError."""
     saved = read_metadata(step)
     where = next((loc for name, loc in saved.objects.items() if name.split("/")[0] == COMMON and loc), None)
@@ -50,5 +55,5 @@ def read_args(step: Path) -> tuple[dict, int | None]:
         return {}, None
     iteration = common.get("iteration")
     state = getattr(common.get("args"), "state", None)
-    args = {k: v for k, v in state.items() if isinstance(v, PLAIN)} if isinstance(state, dict) else {}
+    args = {k: v for k, v in state.items() if _plain(v)} if isinstance(state, dict) else {}
     return args, iteration if isinstance(iteration, int) else None

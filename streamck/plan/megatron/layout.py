@@ -51,6 +51,11 @@ LAYER = (
     ("model.layers.{i}.mlp.up_proj.weight", "decoder.layers.mlp.linear_fc1.weight", "up", ("L", "2*I", "H")),
     ("model.layers.{i}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", None, ("L", "H", "I")),
 )
+# Transformer Engine's MoE layer spec keeps the norm before the experts a module of its own
+# (gpt_layer_specs.py: pre_mlp_layernorm=TENorm when num_experts, no key map for it), so a GPU
+# run's MoE checkpoint names it so; the local spec saves it under the dense fused name above.
+POST_ATTN_NORM = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+MOE_PRE_MLP_NORM = "decoder.layers.pre_mlp_layernorm.weight"
 # --add-qkv-bias (Qwen2's attention_bias): the same query-group split of the bias.
 QKV_BIAS = (
     ("model.layers.{i}.self_attn.q_proj.bias", "decoder.layers.self_attention.linear_qkv.bias", "q", ("L", "QKV")),
@@ -82,7 +87,6 @@ TRAINING_STATE = ("optimizer.", "rng_state", "common_state")
 # Megatron's args that change the layout and are refused (streamck writes no HF model for them).
 REFUSED_ARGS = {
     "attention_output_gate": "a gated attention output (its gate rows inside linear_qkv)",
-    "multi_latent_attention": "multi-latent attention",
     "add_bias_linear": "biases on every linear layer",
 }
 # The Hugging Face model for a GPTModel of these features (architecture, model_type).

@@ -46,7 +46,9 @@ def moe_sizes(args: dict, config: dict | None, config_path: Path | None, found: 
         if fam[feature] != has:
             raise PlanError(f"model_type {kind!r} {'has' if fam[feature] else 'has no'} {feature}, this checkpoint "
                             f"{'has' if has else 'has none'}", config_path)  # fmt: skip
-    if args.get("moe_layer_freq", 1) != 1 or config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+    freq = args.get("moe_layer_freq", 1)  # an int, or a list with 1 for each MoE layer
+    dense = freq != 1 and set(freq if isinstance(freq, list) else [0]) != {1}
+    if dense or config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise PlanError("dense layers among the MoE ones are not converted", where)
     sizes = {"E": args.get("num_experts"), "Im": args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")}
     stated = {"E": expert_count(config), "Im": config.get(fam["expert_size"])}

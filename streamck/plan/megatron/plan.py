@@ -9,7 +9,10 @@ into q, k and v (and RoPE pairs reordered when Megatron rotated interleaved pair
 checkpoint's own ``args`` (a pickled ``argparse.Namespace`` in the ``common_state`` item,
 read as inert data) and, where given, a Hugging Face config (``--hf-config``, or
 ``config.json`` beside the step) that must agree with them; without one, the output's
-``config.json`` is built from ``args``.
+``config.json`` is built from ``args``. A multi-latent-attention model (DeepSeek-V3) goes to
+mla.py, which needs a DeepseekV3 config. A verl Megatron actor (its folder, ``global_step_N/``
+or its run root: verl.py) is its model's dist checkpoint with the config and tokenizer from the
+actor's ``huggingface/``; no ``args`` there.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from streamck.plan.megatron.layout import (
     LAYER,
     MOE_FC1,
     MOE_FC2,
+    MOE_PRE_MLP_NORM,
     MOE_ROUTER,
     MOE_SHARED,
+    POST_ATTN_NORM,
     QK_NORM,
     QKV_BIAS,
     REFUSED_ARGS,
@@ -41,12 +46,15 @@ from streamck.plan.megatron.layout import (
     TRACKER,
     TRAINING_STATE,
 )
+from streamck.plan.megatron.mla import mla_plan
 from streamck.plan.megatron.moe import moe_outputs, moe_sizes
+from streamck.plan.megatron.verl import find_actor, left_out, tokenizer_files, verl_config
 from streamck.plan.rules import Rules
 from streamck.source import TensorRef, open_checkpoint
 from streamck.source.select import Rows, select
 
 PLAN = "megatron-gpt"
+MLA_KEY = "self_attention.linear_kv_down_proj.weight"  # multi-latent attention (--plan's DeepSeek-V3)
 # Args whose values must equal the Hugging Face config's, by shape symbol.
 CROSS_CHECKED = ("L", "H", "nh", "nkv", "d", "I")
 # The arg behind each shape symbol, named when its value is refused.
@@ -183,16 +191,26 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     root with its tracker file, or an ``iter_*`` folder). Only cast rules may accompany it;
     every key, shape and size is checked before anything is written."""
     rules = only_casts(rules, PLAN)
-    step = step_dir(Path(path))
+    verl = find_actor(Path(path))
+    if verl is not None:
+        hf_config = verl_config(verl, hf_config)
+        if hf_config is None:
+            raise PlanError(f"a verl Megatron actor saved without 'hf_model' in save_contents has no {verl.hf.name}/"
+                            "config.json: give --hf-config (the base model's config.json)", verl.actor)  # fmt: skip
+    step = step_dir(verl.dist if verl else Path(path))
     args, iteration = read_args(step)
     ckpt = open_checkpoint(step)
     keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     _refuse_features(args, keys, step)
+    if args.get("multi_latent_attention") or any(k.endswith(MLA_KEY) for k in keys):
+        return mla_plan(ckpt, step, args, keys, hf_config, rules, iteration)
     moe = MOE_FC1[0] in keys or bool(args.get("num_experts"))
     sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config, moe)
     bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
     table = [*LAYER, *(QKV_BIAS if bias else ()), *(QK_NORM if norms else ())]
     table = [r for r in table if not (moe and r[1] in DENSE_MLP)]  # MoE layers: experts instead
+    if moe and MOE_PRE_MLP_NORM in keys:  # Transformer Engine's name for it
+        table = [(hf, MOE_PRE_MLP_NORM if key == POST_ATTN_NORM else key, k, e) for hf, key, k, e in table]
     if moe:
         found = {"q/k norms": norms, "a qkv bias": bias, "a shared expert": MOE_SHARED[0][1] in keys}
         found["a shared expert gate"] = MOE_SHARED[3][1] in keys
@@ -221,7 +239,11 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     ]
     state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
     left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
-    return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+    plan = hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+    if verl is not None:
+        plan.side_files = {**tokenizer_files(verl), **plan.side_files}
+        plan.source.notices.append(left_out(verl))
+    return plan
 
 
 def _sizes_and_config(

@@ -46,7 +46,10 @@ def find_blocks(names: Iterable[str]) -> dict[str, Block]:
 # Trainers' own grouped experts: name pattern -> (what holds them, the expert axis, layers stacked on axis 0).
 GROUPED = {
     re.compile(r"(^|\.)moe\.routed_experts\.inner_experts\.w1_EFD$"): ("torchtitan", 0, False),
-    re.compile(r"(^|\.)mlp\.experts\.experts\.linear_fc1\.weight$"): ("Megatron", 1, True),
+    # megatron-core stacks alike layers under one key, and keys each layer itself when dense and MoE
+    # layers mix (``moe_layer_freq``, ``decoder.layers.N.…``: [E, 2F, H]).
+    re.compile(r"(^|\.)layers\.mlp\.experts\.experts\.linear_fc1\.weight$"): ("Megatron", 1, True),
+    re.compile(r"(^|\.)layers\.\d+\.mlp\.experts\.experts\.linear_fc1\.weight$"): ("Megatron", 0, False),
 }
 
 
