@@ -80,6 +80,24 @@ def test_fuse_experts_is_transformers_own_load(model_type, tmp_path):
     _equal(load_file(tmp_path / "fused" / "model.safetensors"), dict(loaded.state_dict()))
 
 
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_ls_says_the_layout(model_type, tmp_path):
+    """ls names the experts of a trainer's runtime save and of save_pretrained's files, whatever
+    the family names them (Granite-MoE's input_linear, Aria's experts.fc1 are fused too)."""
+    model = tiny_model(model_type)
+    src = _runtime_save(model, tmp_path / "runtime")
+    model.save_pretrained(tmp_path / "hf")
+    kind = "per-expert" if FAMILIES[model_type].per_expert else "fused"
+    assert "MoE: 4 experts, fused (" in cli("ls", str(src), check=0).stdout
+    assert f"MoE: 4 experts, {kind} (" in cli("ls", str(tmp_path / "hf"), check=0).stdout
+
+
+def test_rewrite_says_fused_families_stay_fused(tmp_path):
+    src = _runtime_save(tiny_model("granitemoe"), tmp_path / "runtime")
+    dry = cli("rewrite", str(src), "-o", str(tmp_path / "dry"), "--dry-run", check=0).stdout
+    assert "MoE: 4 experts, fused (2 blocks): granitemoe experts written fused, as save_pretrained writes them" in dry
+
+
 def test_cli_keep_fused_and_ls(tmp_path):
     model = tiny_model("qwen3_moe")
     src = _runtime_save(model, tmp_path / "runtime")
