@@ -176,3 +176,19 @@ def test_refused_missing_expert(tmp_path):
         done = cli("rewrite", str(tmp_path / "hf"), "-o", str(tmp_path / "out"), *flag, check=2)
         assert "model.layers.0.block_sparse_moe: experts 3 have no w1.weight (4 experts)" in done.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_longcat_hub_layout(tmp_path):
+    """LongCat's files as published hold no gate/up for its zero (identity) experts, which
+    transformers' fused gate_up_proj has rows for: read and kept as they are, and --fuse-experts,
+    which cannot make those rows, refuses in one line."""
+    tiny_model("longcat_flash").save_pretrained(tmp_path / "hf")
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    hub = {k: v for k, v in sd.items() if ".experts.4." not in k and ".experts.5." not in k}
+    assert len(hub) < len(sd)
+    save_file(hub, tmp_path / "hf" / "model.safetensors")
+    cli("rewrite", str(tmp_path / "hf"), "-o", str(tmp_path / "out"), check=0)
+    _equal(load_file(tmp_path / "out" / "model.safetensors"), hub)
+    done = cli("rewrite", str(tmp_path / "hf"), "-o", str(tmp_path / "fused"), "--fuse-experts", check=2)
+    assert "experts 4..5 (past the 4 routed ones) have no gate_proj/up_proj.weight" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "fused").exists()

@@ -95,11 +95,11 @@ def layout_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
     counts: set[int] = set()
     kinds: set[str] = set()
     for b in blocks.values():
-        if b.fused:
+        if b.fused:  # counted by down where there is one: LongCat's gate/up has rows for its zero experts too
             kinds.add("fused")
-            counts.update(shapes[n][0] for n in b.fused.values() if shapes[n])
+            counts.update(shapes[n][0] for n in [b.fused.get(DOWN, b.fused.get(GATE_UP))] if n and shapes[n])
         if b.experts:
             kinds.add("per-expert")
-            counts.update(len(ids) for ids in b.experts.values())
+            counts.add(min(len(ids) for ids in b.experts.values()))
     number = "/".join(str(c) for c in sorted(counts)) or "0"
     return f"MoE: {number} experts, {' and '.join(sorted(kinds))} ({len(blocks)} blocks)"

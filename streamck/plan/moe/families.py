@@ -82,6 +82,13 @@ FAMILIES: dict[str, Family] = {
             "expert_bias",
         ),
     ),
+    "longcat_flash": replace(
+        _QWEN,
+        router="router.classifier.weight",
+        router_extra=("zero_expert_num",),
+        gate_up_extra=True,
+        fp32_fp16=("classifier.weight",),
+    ),
     "hunyuan_v1_moe": replace(_QWEN, router="gate.wg.weight"),
     "ernie4_5_moe": replace(
         _QWEN,
@@ -131,7 +138,6 @@ REFUSED: dict[str, str] = {
     "ernie4_5_vl_moe": "save_pretrained writes its text and vision experts as one list, transposed",
     "glm5_next": "save_pretrained also splits the attention's stacked conv1d weights",
     "inkling_mm_model": "its files interleave gate and up rows (w13_weight) and rename most of the model",
-    "longcat_flash": "its gate_up_proj has rows for the zero (identity) experts that down_proj has not",
     "nemotron_h": "save_pretrained renames the whole model (model. -> backbone.) and its experts have no gate",
 }
 

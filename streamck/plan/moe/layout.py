@@ -36,7 +36,9 @@ class Family:
     extra rows the sum of ``router_extra``: config keys (Inkling's shared experts) or numbers
     (Zaya's no-op expert). ``names``
     are substrings of any tensor name that save_pretrained writes otherwise (runtime, disk).
-    ``fp32`` are transformers' ``_keep_in_fp32_modules_strict`` patterns (kept in float32 under
+    ``gate_up_extra``: the fused gate/up has rows for the router's extra experts too, down has
+    not (LongCat's zero experts; save_pretrained writes their gate and up). ``fp32`` are
+    transformers' ``_keep_in_fp32_modules_strict`` patterns (kept in float32 under
     a bf16 or fp16 load), ``fp32_fp16`` its ``_keep_in_fp32_modules`` (under fp16 only).
     """
 
@@ -49,6 +51,7 @@ class Family:
     names: tuple[tuple[str, str], ...] = ()
     fp32: tuple[str, ...] = ()
     fp32_fp16: tuple[str, ...] = ()
+    gate_up_extra: bool = False
 
     @property
     def per_expert(self) -> bool:
