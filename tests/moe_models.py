@@ -92,14 +92,15 @@ SMALL = dict(
     num_layers=2,
     **_MLA,
 )
-# Per-layer lists sized for the default depth: dropped, so that the config builds its own for 2 layers.
-_PER_LAYER = ("layer_types", "mlp_layer_types", "layers_block_type", "mlp_only_layers", "no_rope_layers", "moe_layers")
-_PER_LAYER += ("num_attention_heads_per_layer", "per_layer_config")
+# What a config derives from other fields (per-layer lists for the default depth, DeepSeek's qk_head_dim,
+# Ernie's moe_layer_end_index, Jamba's mamba_dt_rank): dropped, so that it derives them for the small sizes.
+_DERIVED = ("layer_types", "mlp_layer_types", "layers_block_type", "mlp_only_layers", "no_rope_layers", "moe_layers")
+_DERIVED += ("num_attention_heads_per_layer", "per_layer_config", "qk_head_dim", "moe_layer_end_index", "mamba_dt_rank")
 
 
 def _shrink(d: dict) -> dict:
     for key, value in list(d.items()):
-        if key in _PER_LAYER and isinstance(value, list | dict):
+        if key in _DERIVED:
             del d[key]
         elif isinstance(value, dict):
             _shrink(value)
