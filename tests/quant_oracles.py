@@ -5,6 +5,7 @@ child (llm-compressor's import alone is ~0.5 GiB and installs loggers):
     ptq SRC OUT SCHEME [IGN..] llm-compressor 0.14.0.1's model_free_ptq on the CPU
     fp8 SRC OUT                a DeepSeek-V3-layout FP8 checkpoint, by transformers' FineGrainedFP8
     load SRC DTYPE OUT         the weights transformers loads from a quantized SRC (dequantizing), saved
+    decompress SRC DTYPE OUT   compressed-tensors' own decompressor on each quantized module of SRC, saved
 """
 
 from __future__ import annotations
@@ -81,5 +82,30 @@ def load(src: str, dtype: str, out: str) -> None:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
 
 
+def decompress(src: str, dtype: str, out: str) -> None:
+    """Each quantized module's tensors as SRC stores them, through the compressor its config's format
+    names (NVFP4PackedCompressor / MXFP4PackedCompressor.decompress, what ModelCompressor.decompress_model
+    runs per module), the weight then cast to DTYPE; the other tensors are left out."""
+    import json
+    from pathlib import Path
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    qc = json.loads((Path(src) / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    scheme = QuantizationScheme(**group)
+    compressor = BaseCompressor.get_value_from_registry(group.get("format") or qc["format"])
+    stored = {k: v for f in sorted(Path(src).glob("*.safetensors")) for k, v in load_file(f).items()}
+    weights = {}
+    for name in stored:
+        if name.endswith(".weight_packed"):
+            module = name.rpartition(".")[0]
+            local = {k.rpartition(".")[2]: v for k, v in stored.items() if k.rpartition(".")[0] == module}
+            weights[f"{module}.weight"] = compressor.decompress(local, scheme)["weight"].to(getattr(torch, dtype))
+    save_file({k: v.contiguous() for k, v in weights.items()}, out)
+
+
 if __name__ == "__main__":
-    {"bases": bases, "ptq": ptq, "fp8": fp8, "load": load}[sys.argv[1]](*sys.argv[2:])
+    {"bases": bases, "ptq": ptq, "fp8": fp8, "load": load, "decompress": decompress}[sys.argv[1]](*sys.argv[2:])

@@ -163,22 +163,24 @@ def test_memory_is_a_band_not_a_tensor(tmp_path, scheme):
     assert peak - torch_only < 64, (torch_only, peak)
 
 
-def test_merge_lora_then_quantize_in_one_pass(tmp_path):
+@pytest.mark.parametrize("scheme", ["FP8_BLOCK", "NVFP4A16", "MXFP4A16"])
+def test_merge_lora_then_quantize_in_one_pass(tmp_path, scheme):
     """--merge-lora with --quantize: the merged weights quantized as model_free_ptq quantizes
-    PEFT's merge_and_unload output (both producers run here), in one streaming pass."""
+    PEFT's merge_and_unload output (both producers run here), in one streaming pass. NVFP4's
+    global scale of q/k/v and gate/up is taken over the merged q, v and gate with the unmerged k, up."""
     pytest.importorskip("peft")
     from lora_fixtures import make_adapter, make_base, peft_merge
     from quant_fixtures import run_oracle
 
     base = make_base(tmp_path / "base")
-    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj", "v_proj", "down_proj"])
+    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=targets)
     peft_merge(base, adapter, tmp_path / "merged")
-    run_oracle("ptq", tmp_path / "merged", tmp_path / "oracle", "FP8_BLOCK", "lm_head")
+    run_oracle("ptq", tmp_path / "merged", tmp_path / "oracle", scheme, "lm_head")
     out = tmp_path / "out"
-    proc = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", "FP8_BLOCK",
+    proc = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", scheme,
                "--quantize-ignore", "lm_head", "--verify", check=0)  # fmt: skip
-    a, b = tensors(out), tensors(tmp_path / "oracle")
-    assert sorted(a) == sorted(b)
-    assert [n for n in a if a[n] != b[n]] == []
-    dry = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", "FP8_BLOCK", "--dry-run", check=0)
-    assert "+LoRA FP8_BLOCK weight" in dry.stdout, proc.stderr
+    assert_same_as_ptq(out, tmp_path / "oracle")
+    dry = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", scheme, "--dry-run", check=0)
+    part = "weight" if scheme.startswith("FP8") else "packed"
+    assert f"+LoRA {scheme} {part}" in dry.stdout, proc.stderr

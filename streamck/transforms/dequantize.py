@@ -1,4 +1,5 @@
-"""FP8 weights back to floats, as transformers 5.19 loads them, band by band.
+"""Quantized weights back to floats, as transformers 5.19 and compressed-tensors 0.19 load them,
+band by band.
 
 - ``fp8`` (DeepSeek-V3 layout: ``weight`` E4M3 + ``weight_scale_inv`` per 128×128 block, the
   config's ``quant_method: fp8``): transformers' ``Fp8Dequantize`` (FineGrainedFP8Config with
@@ -9,8 +10,19 @@
   decompressor multiplies in the scale's dtype: ``d(q) * d(s)`` rounded to ``d``, the output
   dtype (so a float32 output is not the bf16 product widened).
 
+- packed FP4 (``weight_packed`` U8, two E2M1 values a byte, the even column in the low nibble,
+  bit 3 the sign): compressed-tensors' ``NVFP4PackedCompressor.decompress`` (its subclass
+  ``MXFP4PackedCompressor`` for MXFP4), which transformers runs on ``dequantize=True``. It
+  unpacks to bfloat16 whatever the model's dtype (``unpack_fp4_from_uint8``'s default), so the
+  weight is always that bfloat16 tensor, cast once more to the output dtype (transformers leaves
+  it bfloat16 even in a float32 model). NVFP4 (``weight_scale`` E4M3 per 16 values,
+  ``weight_global_scale`` F32 [1]): ``bf16(f32(v) * (f32(bf16(s)) / gs))``, the division and
+  the product each rounded to float32 (bfloat16 over a float32 tensor promotes). MXFP4
+  (``weight_scale`` U8 E8M0 per 32 values): ``bf16(v) * bf16(2 ** bf16(e - 127))`` in bfloat16.
+
 Each product is elementwise, so a band of rows gives the whole tensor's bits. Memory: the
-scale tensor (one value per block or row) and one band of rows in float32, a few times over.
+scale tensor (one value per block or row; FP4's group scales a band at a time) and one band of
+rows in float32, a few times over.
 """
 
 from __future__ import annotations
@@ -90,3 +102,89 @@ def _whole(reader: Reader, ref: TensorRef):
     if reader.stream(ref).readinto(memoryview(buf)) != ref.nbytes:
         raise OutputError(f"{ref.name} ended early", ref.path)
     return torch.frombuffer(buf, dtype=getattr(torch, TORCH_NAMES[ref.dtype])).reshape(ref.shape)
+
+
+# A band of FP4 weights: this many values (float32 and int64 temporaries, ~30 bytes each).
+FP4_VALUES = 1 << 18
+# E2M1 magnitudes by the nibble's low three bits (compressed-tensors' kE2M1ToFloat)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_GROUP = {"nv": 16, "mx": 32}
+
+
+@dataclass(frozen=True, slots=True)
+class Fp4Dequant:
+    """A packed FP4 weight (the output's source, ``weight_packed``) with its group ``scale``
+    (and NVFP4's ``global_scale``), decompressed by ``kind`` "nv" or "mx" as compressed-tensors
+    does (see the module's docstring), then cast to the output dtype."""
+
+    scale: TensorRef
+    kind: str
+    global_scale: TensorRef | None = None
+    engine: str = "torch"
+    exact: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"{'NVFP4' if self.kind == 'nv' else 'MXFP4'} unpacked"
+
+    def inputs(self) -> tuple[TensorRef, ...]:
+        return (self.scale,) if self.global_scale is None else (self.scale, self.global_scale)
+
+    def origin(self, source: TensorRef) -> TensorRef:
+        return source
+
+    def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
+        """The weight's bytes, one band of rows at a time."""
+        import torch
+
+        ref = target.source
+        rows, half = ref.shape
+        groups = self.scale.shape[1]
+        out = getattr(torch, TORCH_NAMES[target.dtype])
+        gs = None if self.global_scale is None else _whole(reader, self.global_scale).to(torch.float32)
+        step = max(1, FP4_VALUES // (2 * half))
+        packed, scales = reader.stream(ref), reader.stream(self.scale)
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            q = _read(packed, ref, n * half).reshape(n, half)
+            s = _read(scales, self.scale, n * groups).reshape(n, groups)
+            yield memoryview(fp4_dequant(q, s, gs, self.kind).to(out).contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def _read(stream, ref: TensorRef, count: int):
+    """The next ``count`` bytes of ``ref``'s stream as a uint8 tensor."""
+    import torch
+
+    buf = bytearray(count)
+    if stream.readinto(memoryview(buf)) != count:
+        raise OutputError(f"{ref.name} ended early", ref.path)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def fp4_unpack(packed):
+    """unpack_fp4_from_uint8: each nibble's E2M1 value with its sign (-0 kept), low nibble first,
+    in bfloat16 [rows, 2 × cols]."""
+    import torch
+
+    low, high = packed & 0x0F, (packed & 0xF0) >> 4
+    nibbles = torch.stack((low, high), dim=-1).flatten(start_dim=-2)
+    signs = (nibbles & 0x08).to(torch.bool)
+    values = torch.tensor(E2M1, dtype=torch.float32)[(nibbles & 0x07).to(torch.long)] * torch.where(signs, -1.0, 1.0)
+    return values.to(torch.bfloat16)
+
+
+def fp4_dequant(packed, scale, global_scale, kind: str):
+    """A band of packed FP4 rows with its group scales (E4M3 for ``nv``, E8M0 bytes for ``mx``)
+    and NVFP4's global scale, decompressed to bfloat16 as compressed-tensors 0.19 does."""
+    import torch
+
+    values = fp4_unpack(packed)
+    if kind == "nv":
+        s = scale.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    else:
+        s = (2.0 ** (scale.to(torch.int32) - 127).to(torch.bfloat16)).to(torch.bfloat16)
+    s = s.unsqueeze(-1)
+    if global_scale is not None:
+        s = s / global_scale  # bfloat16 / float32 [1]: float32
+    groups = values.unflatten(-1, (scale.shape[-1], FP4_GROUP[kind]))
+    return (groups.to(s.dtype) * s).flatten(start_dim=-2).to(torch.bfloat16)

@@ -90,18 +90,20 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
     if count == 0:
         raise PlanError(f"--quantize {scheme}: no tensor to quantize (every weight ignored or none found)")
     tensors.sort(key=lambda t: t.name)
-    side = dict(plan.side_files)
+    # A built-in plan (torchtitan, Megatron, …) writes the config it builds among its files.
+    files, side = dict(plan.files), dict(plan.side_files)
     summary = [f"quantizing {count} weights to {scheme} as llm-compressor's model_free_ptq (torch, bit for bit)"]
     config = _config(plan)
     if config is not None:
         config["quantization_config"] = quantization_config(scheme, ignore)
-        side["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode()
+        body = json.dumps(config, indent=2, sort_keys=True).encode()
+        (files if "config.json" in files else side)["config.json"] = body
         summary.append("config.json: quantization_config added (keys sorted, as model_free_ptq writes it)")
     elif not plan.source.path.is_file():
         plan.notices.append("no config.json beside the weights: vLLM needs its quantization_config")
     if not any(_matches(m, e) for e in ignore for m in ("lm_head",)):
         plan.notices.append(f"lm_head is quantized too; users normally pass --quantize-ignore for {USUAL_IGNORE}")
-    return replace(plan, tensors=tensors, side_files=side, summary=[*plan.summary, *summary])
+    return replace(plan, tensors=tensors, files=files, side_files=side, summary=[*plan.summary, *summary])
 
 
 def _quantized(t: OutputTensor, strategy: str) -> list[OutputTensor]:
@@ -141,8 +143,9 @@ def _refuse_quantized(plan: Plan) -> None:
 
 
 def _config(plan: Plan) -> dict | None:
-    """The output's config.json as a dict (after the rules' edits), or None without one."""
-    data = plan.side_files.get("config.json")
+    """The output's config.json as a dict (after the rules' edits, or as a built-in plan builds
+    it), or None without one."""
+    data = plan.files.get("config.json", plan.side_files.get("config.json"))
     if data is None:
         return None
     try:
