@@ -159,16 +159,17 @@ def _replaced(plan: Plan, done: dict[str, list[OutputTensor]], model_type: str, 
 
 
 def keep_fp32(plan: Plan, rules: Rules) -> Plan:
-    """``plan`` with what transformers keeps in float32 for the model_type of the config.json
-    beside the source left uncast by ``--dtype`` (streamck.plan.moe.fp32); ``plan`` itself
-    without a ``--dtype`` or a readable config."""
+    """``plan`` with what transformers keeps in float32 for the model_type of its config (the
+    one a built-in plan writes, else the config.json beside the source) left uncast by
+    ``--dtype`` (streamck.plan.moe.fp32); ``plan`` itself without a ``--dtype`` or a readable config."""
     if rules.dtype is None:
         return plan
     try:
-        config, _ = read_config(plan)
-    except PlanError:  # a config.json that is not one: nothing to keep, and not this step's to refuse
+        written = plan.files.get("config.json")
+        config = json.loads(written) if written is not None else read_config(plan)[0]
+    except (PlanError, ValueError):  # a config that is not one: nothing to keep, and not this step's to refuse
         return plan
-    return _keep_fp32(plan, rules, config)
+    return _keep_fp32(plan, rules, config if isinstance(config, dict) else None)
 
 
 __all__ = ["MODES", "apply_experts", "keep_fp32", "layout_line"]
