@@ -71,10 +71,11 @@ def build_plan(
     if merge_lora is None and stray:
         raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
-    compiled = spec.compile(Rules(rules_from(rules) + extra, dtype), copy_files=copy_files)
-    from streamck.plan.moe import apply_experts  # only here: ls and diff do not need it
+    plan_rules = Rules(rules_from(rules) + extra, dtype)
+    compiled = spec.compile(plan_rules, copy_files=copy_files)
+    from streamck.plan.moe import apply_experts, keep_fp32  # only here: ls and diff do not need them
 
-    compiled = apply_experts(compiled, experts, builtin=spec.builtin)
+    compiled = apply_experts(keep_fp32(compiled, plan_rules), experts, builtin=spec.builtin)
     if merge_lora is not None:
         compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
     return _quant_steps(compiled, dtype, quantize, quantize_ignore)

@@ -10,12 +10,39 @@ import json
 import pytest
 import torch
 from helpers import cli
-from moe_models import SPECS, logits, tiny_model
+from moe_models import logits, tiny_model
 from safetensors.torch import load_file, save_file
 
 import streamck
+from streamck.plan.moe.families import FAMILIES, REFUSED
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _fused_moe_model_types() -> list[str]:
+    """Every model_type transformers ships that runs as a language model (a causal LM or an
+    image-text-to-text model) with experts fused at run time: its modeling file decorates an
+    experts class with @use_experts_implementation or holds a fused gate_up_proj parameter."""
+    import re
+    from pathlib import Path
+
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    fused = re.compile(r"@use_experts_implementation|self\.gate_up_proj = nn\.Parameter")
+    root = Path(transformers.__file__).parent / "models"
+    modules = {p.parent.name for p in root.glob("*/modeling_*.py") if fused.search(p.read_text())}
+    lm = {**modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+    names = configuration_auto.CONFIG_MAPPING_NAMES
+    return sorted(t for t in names if t in lm and configuration_auto.model_type_to_module_name(t) in modules)
+
+
+def test_every_fused_moe_family_is_known():
+    """A family is in the table (and so checked below) or refused with its reason; none unheard of."""
+    types = _fused_moe_model_types()
+    assert len(types) > 50  # the scan itself still finds transformers' MoE models
+    assert [t for t in types if t not in FAMILIES and t not in REFUSED] == []
+    assert set(FAMILIES) | set(REFUSED) <= set(types)
 
 
 def _runtime_save(model, d):
@@ -32,28 +59,43 @@ def _equal(got: dict, want: dict) -> None:
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
-@pytest.mark.parametrize("model_type", sorted(SPECS))
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_runtime_save_to_save_pretrained(model_type, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model = tiny_model(model_type)
     src = _runtime_save(model, tmp_path / "runtime")
     model.save_pretrained(tmp_path / "hf")
     streamck.rewrite(src, tmp_path / "out")
     _equal(load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors"))
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    loaded, info = type(model).from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert torch.equal(logits(loaded.float().eval()), logits(model))
 
 
-@pytest.mark.parametrize("model_type", sorted(SPECS))
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_fuse_experts_is_transformers_own_load(model_type, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    tiny_model(model_type).save_pretrained(tmp_path / "hf")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    model = tiny_model(model_type)
+    model.save_pretrained(tmp_path / "hf")
+    loaded = type(model).from_pretrained(tmp_path / "hf", dtype=torch.float32)
     streamck.rewrite(tmp_path / "hf", tmp_path / "fused", experts="fuse")
     _equal(load_file(tmp_path / "fused" / "model.safetensors"), dict(loaded.state_dict()))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_ls_says_the_layout(model_type, tmp_path):
+    """ls names the experts of a trainer's runtime save and of save_pretrained's files, whatever
+    the family names them (Granite-MoE's input_linear, Aria's experts.fc1 are fused too)."""
+    model = tiny_model(model_type)
+    src = _runtime_save(model, tmp_path / "runtime")
+    model.save_pretrained(tmp_path / "hf")
+    kind = "per-expert" if FAMILIES[model_type].per_expert else "fused"
+    assert "MoE: 4 experts, fused (" in cli("ls", str(src), check=0).stdout
+    assert f"MoE: 4 experts, {kind} (" in cli("ls", str(tmp_path / "hf"), check=0).stdout
+
+
+def test_rewrite_says_fused_families_stay_fused(tmp_path):
+    src = _runtime_save(tiny_model("granitemoe"), tmp_path / "runtime")
+    dry = cli("rewrite", str(src), "-o", str(tmp_path / "dry"), "--dry-run", check=0).stdout
+    assert "MoE: 4 experts, fused (2 blocks): granitemoe experts written fused, as save_pretrained writes them" in dry
 
 
 def test_cli_keep_fused_and_ls(tmp_path):
@@ -93,6 +135,10 @@ def _config(src, **changes):
     [
         ({"num_experts": 8}, "4 experts, but config.json says 8"),
         ({"model_type": "unheard_of_moe"}, "model_type 'unheard_of_moe' has experts but no known layout"),
+        (
+            {"model_type": "nemotron_h"},
+            "'nemotron_h': experts not rewritten, save_pretrained renames the whole model",
+        ),
     ],
 )
 def test_refused_config(change, message, tmp_path):
@@ -130,3 +176,19 @@ def test_refused_missing_expert(tmp_path):
         done = cli("rewrite", str(tmp_path / "hf"), "-o", str(tmp_path / "out"), *flag, check=2)
         assert "model.layers.0.block_sparse_moe: experts 3 have no w1.weight (4 experts)" in done.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_longcat_hub_layout(tmp_path):
+    """LongCat's files as published hold no gate/up for its zero (identity) experts, which
+    transformers' fused gate_up_proj has rows for: read and kept as they are, and --fuse-experts,
+    which cannot make those rows, refuses in one line."""
+    tiny_model("longcat_flash").save_pretrained(tmp_path / "hf")
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    hub = {k: v for k, v in sd.items() if ".experts.4." not in k and ".experts.5." not in k}
+    assert len(hub) < len(sd)
+    save_file(hub, tmp_path / "hf" / "model.safetensors")
+    cli("rewrite", str(tmp_path / "hf"), "-o", str(tmp_path / "out"), check=0)
+    _equal(load_file(tmp_path / "out" / "model.safetensors"), hub)
+    done = cli("rewrite", str(tmp_path / "hf"), "-o", str(tmp_path / "fused"), "--fuse-experts", check=2)
+    assert "experts 4..5 (past the 4 routed ones) have no gate_proj/up_proj.weight" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "fused").exists()

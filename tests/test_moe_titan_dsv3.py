@@ -104,6 +104,26 @@ def test_routing_bias_is_written_and_routes(dsv3, tmp_path):
     assert not torch.allclose(_hf_logits(model), want, atol=1e-3, rtol=0)
 
 
+def test_dtype_keeps_the_routing_bias_in_fp32(dsv3, tmp_path):
+    """--dtype bf16 writes what from_pretrained(dtype=bf16) + save_pretrained writes of the fp32
+    conversion: everything bf16 but DeepSeek-V3's e_score_correction_bias (its class's
+    _keep_in_fp32_modules_strict), which stays float32; the rewrite says so."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    case = dsv3["deepseek_v3"]
+    _rewrite(case, tmp_path / "fp32")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(tmp_path / "oracle")
+    done = _rewrite(case, tmp_path / "bf16", "--dtype", "bf16")
+    assert "kept in their stored dtype, as transformers keeps deepseek_v3's" in done.stderr, done.stderr
+    got = load_file(tmp_path / "bf16" / "model.safetensors")
+    want = load_file(tmp_path / "oracle" / "model.safetensors")
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
 def test_dry_run_summary(dsv3, tmp_path):
     out = _rewrite(dsv3["deepseek_v3_ep2"], tmp_path / "out", "--dry-run").stdout
     assert "torchtitan 0.3 deepseek_v3: L=3" in out and "1 dense layer(s), 3 MoE with shared experts" in out

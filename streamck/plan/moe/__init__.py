@@ -12,13 +12,16 @@ missing, counts that disagree with the config and routers whose rows are not the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from streamck.errors import PlanError, UsageError
 from streamck.plan.compile import OutputTensor, Plan
-from streamck.plan.moe.blocks import layout_line
+from streamck.plan.moe.blocks import Block, layout_line
 from streamck.plan.moe.experts import blocks_of, check_count, check_per_expert, check_router, fuse_block, unfuse_block
-from streamck.plan.moe.families import FAMILIES, expert_count, family_of
+from streamck.plan.moe.families import FAMILIES, REFUSED, Family, expert_count, family_of
+from streamck.plan.moe.fp32 import keep_fp32 as _keep_fp32
+from streamck.plan.rules import Rules
 
 MODES = ("auto", "keep", "fuse")
 NO_CONFIG = (
@@ -59,54 +62,84 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
             raise UsageError(f"--keep-fused and --fuse-experts do not apply to --plan {builtin}")
         return plan
     blocks = blocks_of(plan)
-    if not blocks:
+    if not blocks and mode != "fuse":
         return plan
     config, path = read_config(plan)
     fused = any(b.fused for b in blocks.values())
     if config is None:
-        if mode == "fuse":
+        if mode == "fuse" and blocks:
             raise PlanError("--fuse-experts needs the model's config.json beside the checkpoint (its model_type)")
         if fused and mode == "auto":
             plan.notices.append(NO_CONFIG)
         return plan
     model_type = config.get("model_type")
     fam = family_of(model_type)
+    if fam is not None and mode == "fuse":
+        blocks = _to_runtime(plan, fam)
+    if not blocks:
+        return plan
     if fam is None:
         if mode == "keep":
             return plan
-        known = ", ".join(sorted(FAMILIES))
         hint = " (--keep-fused writes them as they are)" if fused and mode == "auto" else ""
+        if model_type in REFUSED:
+            raise PlanError(f"model_type {model_type!r}: experts not rewritten, {REFUSED[model_type]}{hint}", path)
+        known = ", ".join(sorted(FAMILIES))
         raise PlanError(f"model_type {model_type!r} has experts but no known layout{hint}; known: {known}", path)
     stated = expert_count(config)
+    extra = sum(k if isinstance(k, int) else _int(config.get(k)) for k in fam.router_extra)
     ts = {t.name: t for t in plan.tensors}
     done: dict[str, list[OutputTensor]] = {}
     for b in blocks.values():
         if b.fused and b.experts:
             raise PlanError(f"MoE block {b.name}: both fused and per-expert tensors")
-        if b.leaf not in (fam.block, fam.disk_block):
+        if fam.block and b.leaf not in (fam.block, fam.disk_block):
             raise PlanError(f"MoE block {b.name}: {model_type} keeps its experts under .{fam.block}, not .{b.leaf}")
         block_ts = {n: t for n, t in ts.items() if n.startswith(b.name + ".")}
         if b.fused:
             if mode == "auto":
-                done[b.name] = unfuse_block(block_ts, b, fam, stated)
+                done[b.name] = unfuse_block(block_ts, b, fam, stated, extra)
             else:
                 gu = next(iter(b.fused.values()))
                 check_count(b.name, ts[gu].shape[0] if ts[gu].shape else 0, stated)
-                check_router(ts, b.name, fam.router, ts[gu].shape[0] if ts[gu].shape else 0)
+                check_router(ts, b.name, fam.router, ts[gu].shape[0] if ts[gu].shape else 0, extra)
         elif mode == "fuse" and fam.per_expert:
-            done[b.name] = fuse_block(block_ts, b, fam, stated)
+            done[b.name] = fuse_block(block_ts, b, fam, stated, extra)
         else:
-            check_per_expert(ts, b, fam, stated)
-    return _replaced(plan, done, model_type, mode)
+            check_per_expert(ts, b, fam, stated, extra)
+    return _replaced(plan, done, model_type, mode, fam)
 
 
-def _replaced(plan: Plan, done: dict[str, list[OutputTensor]], model_type: str, mode: str) -> Plan:
-    """``plan`` with each rewritten block's tensors swapped for ``done``'s, and a summary line."""
+def _int(value: object) -> int:
+    """A config's count, 0 where it is missing or not a number."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _to_runtime(plan: Plan, fam: Family) -> dict[str, Block]:
+    """For --fuse-experts: the plan's tensors that the family's files name otherwise than it runs
+    (``names``; fused experts renamed on disk, Granite's ``input_linear``) under their runtime
+    names, in place; the plan's MoE blocks after that."""
+    disk = {f".{fam.disk_block}.{d}": f".{fam.block}.{r}" for r, d in fam.renames} if not fam.per_expert else {}
+    for i, t in enumerate(plan.tensors):
+        name = fam.runtime_name(t.name)
+        for d, r in disk.items():
+            if name.endswith(d):
+                name = name[: -len(d)] + r
+        if name != t.name:
+            plan.tensors[i] = replace(t, name=name)
+    return blocks_of(plan)
+
+
+def _replaced(plan: Plan, done: dict[str, list[OutputTensor]], model_type: str, mode: str, fam: Family) -> Plan:
+    """``plan`` with each rewritten block's tensors swapped for ``done``'s, every name under the
+    family's disk names (runtime ones for ``fuse``), and a summary line."""
     if not done:
         return plan
     prefixes = tuple(name + "." for name in done)
     tensors = [t for t in plan.tensors if not t.name.startswith(prefixes)]
     tensors += [t for block in done.values() for t in block]
+    if mode != "fuse":
+        tensors = [replace(t, name=fam.disk_name(t.name)) for t in tensors]
     seen: dict[str, str] = {}
     for t in tensors:
         if t.name in seen:
@@ -114,10 +147,29 @@ def _replaced(plan: Plan, done: dict[str, list[OutputTensor]], model_type: str, 
         seen[t.name] = t.source.name
     tensors.sort(key=lambda t: t.name)
     plan.tensors = tensors
-    how = "fused, as transformers runs them" if mode == "fuse" else "per expert, as save_pretrained writes them"
-    line = layout_line({t.name: t.shape for t in tensors})
+    if mode == "fuse":
+        how = "fused, as transformers runs them"
+    elif fam.per_expert:
+        how = "per expert, as save_pretrained writes them"
+    else:
+        how = "fused, as save_pretrained writes them (this family keeps them fused on disk)"
+    line = layout_line({t.name: t.shape for t in tensors}) or f"MoE: {model_type}"
     plan.summary.append(f"{line}: {model_type} experts written {how}")
     return plan
 
 
-__all__ = ["MODES", "apply_experts", "layout_line"]
+def keep_fp32(plan: Plan, rules: Rules) -> Plan:
+    """``plan`` with what transformers keeps in float32 for the model_type of its config (the
+    one a built-in plan writes, else the config.json beside the source) left uncast by
+    ``--dtype`` (streamck.plan.moe.fp32); ``plan`` itself without a ``--dtype`` or a readable config."""
+    if rules.dtype is None:
+        return plan
+    try:
+        written = plan.files.get("config.json")
+        config = json.loads(written) if written is not None else read_config(plan)[0]
+    except (PlanError, ValueError):  # a config that is not one: nothing to keep, and not this step's to refuse
+        return plan
+    return _keep_fp32(plan, rules, config if isinstance(config, dict) else None)
+
+
+__all__ = ["MODES", "apply_experts", "keep_fp32", "layout_line"]

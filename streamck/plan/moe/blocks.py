@@ -8,7 +8,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from streamck.plan.moe.families import DOWN, GATE_UP
+from streamck.plan.moe.families import FAMILIES
+from streamck.plan.moe.layout import DOWN, GATE_UP
 
 _FUSED = re.compile(rf"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<kind>{GATE_UP}|{DOWN})$")
 _PER_EXPERT = re.compile(r"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
@@ -64,20 +65,41 @@ def _grouped_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
     return None
 
 
+# Fused experts under the names the families that rename them write (Granite-MoE's
+# ``block_sparse_moe.input_linear.weight``, Aria's ``mlp.experts.fc1.weight``): their gate/up tensor's name ends.
+_DISK_ENDS = {
+    f".{fam.disk_block}.{disk}"
+    for fam in FAMILIES.values()
+    if not fam.per_expert
+    for run, disk in fam.renames
+    if run == f"experts.{GATE_UP}"
+}
+_DISK_FUSED = re.compile("(?:" + "|".join(re.escape(end) for end in sorted(_DISK_ENDS)) + ")$")
+
+
+def _disk_fused_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The ``MoE:`` line for fused experts under a family's disk names, or None."""
+    found = [shape for name, shape in shapes.items() if _DISK_FUSED.search(name) and shape]
+    if not found:
+        return None
+    counts = "/".join(str(c) for c in sorted({s[0] for s in found}))
+    return f"MoE: {counts} experts, fused ({len(found)} blocks)"
+
+
 def layout_line(shapes: dict[str, tuple[int, ...]]) -> str | None:
     """``MoE: 8 experts, fused`` (or ``per-expert``; counts that differ between blocks are all
     listed) for tensors by name and shape; None when there are no experts."""
     blocks = find_blocks(shapes)
     if not blocks:
-        return _grouped_line(shapes)
+        return _grouped_line(shapes) or _disk_fused_line(shapes)
     counts: set[int] = set()
     kinds: set[str] = set()
     for b in blocks.values():
-        if b.fused:
+        if b.fused:  # counted by down where there is one: LongCat's gate/up has rows for its zero experts too
             kinds.add("fused")
-            counts.update(shapes[n][0] for n in b.fused.values() if shapes[n])
+            counts.update(shapes[n][0] for n in [b.fused.get(DOWN, b.fused.get(GATE_UP))] if n and shapes[n])
         if b.experts:
             kinds.add("per-expert")
-            counts.update(len(ids) for ids in b.experts.values())
+            counts.add(min(len(ids) for ids in b.experts.values()))
     number = "/".join(str(c) for c in sorted(counts)) or "0"
     return f"MoE: {number} experts, {' and '.join(sorted(kinds))} ({len(blocks)} blocks)"
