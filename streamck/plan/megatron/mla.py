@@ -15,8 +15,6 @@ axis L) when all layers are alike, one key per layer (``decoder.layers.N.X``) wh
 from __future__ import annotations
 
 import re
-from dataclasses import replace
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 from streamck.errors import PlanError
@@ -31,7 +29,6 @@ from streamck.plan.megatron.mla_layout import (
     EXPERTS,
     HALVES,
     HF_TYPE,
-    KEEP_F32,
     MOE,
     MTP_PREFIX,
     NO_PLACE,
@@ -96,19 +93,7 @@ def mla_plan(ckpt: Checkpoint, step: Path, args: dict, keys: dict[str, TensorRef
     ]
     state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
     left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
-    return _bias_in_f32(hf_export.assemble(ckpt, outputs, rules, config, summary, left), rules)
-
-
-def _bias_in_f32(plan: Plan, rules: Rules) -> Plan:
-    """``plan`` with the routing biases left in float32 under ``--dtype``, as transformers keeps
-    them (DeepseekV3's ``_keep_in_fp32_modules_strict``) and Megatron stores them; a ``--cast``
-    naming one still decides."""
-    named = {t.name for t in plan.tensors for r in rules.rules if r.kind == "cast" and fnmatchcase(t.name, r.cast[0])}
-    plan.tensors = [
-        replace(t, dtype="F32") if t.name.endswith(KEEP_F32) and t.source.dtype == "F32" and t.name not in named else t
-        for t in plan.tensors
-    ]
-    return plan
+    return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
 
 
 def _refuse(keys: dict[str, TensorRef], args: dict, where: Path) -> None:

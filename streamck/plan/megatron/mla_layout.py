@@ -83,8 +83,6 @@ NO_PLACE = {
     "mlp.shared_experts.gate_weight": "a gated shared expert (--moe-shared-expert-gate)",
     "mlp.router.bias": "a router bias",
 }
-# Kept in float32 whatever the model's dtype (transformers' DeepseekV3 ``_keep_in_fp32_modules_strict``).
-KEEP_F32 = "mlp.gate.e_score_correction_bias"
 PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp."
 HF_TYPE = "deepseek_v3"
