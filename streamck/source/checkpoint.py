@@ -14,7 +14,8 @@ from streamck.source import fsdp, olmo
 from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
-from streamck.source.layout import Layout, bare_run_root, find_layout, pick_step
+from streamck.source.layout import Layout, bare_run_root, find_layout
+from streamck.source.steps import pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
 
@@ -61,7 +62,7 @@ def open_checkpoint(
     directory with ``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
     and its shards, a directory of ``*.safetensors`` or ``pytorch_model*.bin`` shards,
     a step directory whose weights are in ``model/consolidated``, or, with ``step``
-    (a number or ``"latest"``), a run root of step folders (streamck.source.layout.STEP_DIRS);
+    (a number or ``"latest"``), a run root of step folders (streamck.source.steps.STEP_DIRS);
     a run root that marks its latest step is read at that step when ``step`` is None.
     In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
     ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip),
