@@ -843,6 +843,14 @@ def case_quant(a: argparse.Namespace, tmp: Path) -> str:
                 f"tensor under `diff --data`, and config.json byte for byte).\n\n"
                 + table(runs, "cp -r + sync (base)", _dir_bytes(base))
             )
+        floor = subprocess.run([PY, str(HERE / "quant_floor.py"), str(sharded), scheme], check=True,
+                               capture_output=True, text=True)  # fmt: skip
+        f = json.loads(floor.stdout)
+        sections.append(
+            f"{scheme} floor on this machine (bench/quant_floor.py: the same arithmetic on the weights in "
+            f"memory, no file read or written): {f['arithmetic']:.2f} s; a single `.to(float8_e4m3fn)` pass "
+            f"over them {f['one_cast']:.2f} s."
+        )
     _, torch_rss = run_child([PY, "-c", "import torch"], a.settle)
     return (
         f"Base: bf16 Llama by bench/lora_ckpt.py, {_dir_bytes(sharded) / 2**30:.2f} GiB (hidden 1024, MLP 2816, "
