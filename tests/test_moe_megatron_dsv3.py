@@ -155,6 +155,9 @@ def _case(src: Path, tmp_path: Path, rope: dict | None = None, **config) -> Path
         ("dsv3", {"norm_topk_prob": False}, "norm_topk_prob must be true"),
         ("dsv3", {"q_lora_rank": None}, "q_lora_rank is None, the checkpoint's args.q_lora_rank 24"),
         ("dsv3", {"rope_interleave": False}, "rope_interleave must be true"),
+        # a larger vocabulary cannot be read, a smaller one would cut the embedding and head
+        ("dsv3", {"vocab_size": 10**6}, "vocab_size is 1000000, the checkpoint's args.vocab_size"),
+        ("dsv3", {"vocab_size": 64}, "vocab_size is 64, the checkpoint's args.vocab_size"),
         ("dsv3", {"model_type": "qwen3_moe"}, "a multi-latent-attention GPTModel converts to deepseek_v3"),
         ("dsv3", {"rope": {"rope_type": "yarn", "factor": 4.0}}, "rope_type is 'yarn', the checkpoint's args"),
         ("dsv3_yarn", {"rope": {"factor": 8.0}}, "rope_parameters.factor is 8.0, the checkpoint's args"),

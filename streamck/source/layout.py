@@ -309,7 +309,8 @@ def find_layout(path: Path) -> Layout:
     found = verl_megatron.hf_weights(path)
     if found is not None:  # a verl Megatron actor saved as verl does by default: the bridge's HF weights
         actor, hf = found
-        return replace(find_layout(hf), notes=(verl_megatron.left_beside(actor, f"{hf.relative_to(actor)}/"),))
+        inner = find_layout(hf)
+        return replace(inner, notes=(*inner.notes, verl_megatron.left_beside(actor, f"{hf.relative_to(actor)}/")))
     found = steps(path)
     if found:
         listed = ", ".join(map(str, found))

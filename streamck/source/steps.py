@@ -45,17 +45,25 @@ def _latest(path: Path, found: dict[int, Path]) -> tuple[Path, str]:
     if (path / LATEST_LINK).is_dir():
         return (path / LATEST_LINK).resolve(), LATEST_LINK
     if (path / LATEST_NAME).is_file():
-        name = (path / LATEST_NAME).read_text().strip()
+        name = _marker(path / LATEST_NAME)
         named = path / Path(name).name
         if not named.is_dir():
             raise CheckpointError(f"{LATEST_NAME} names {name!r}, which is not a step folder here", path)
         return named, LATEST_NAME
     if (path / LATEST_NUMBER).is_file():
-        text = (path / LATEST_NUMBER).read_text().strip()
+        text = _marker(path / LATEST_NUMBER)
         if not text.isdigit() or int(text) not in found:
             raise CheckpointError(f"{LATEST_NUMBER} says {text!r}, and there is no such step folder here", path)
         return found[int(text)], LATEST_NUMBER
     return found[max(found)], "the highest step"
+
+
+def _marker(path: Path) -> str:
+    """A latest marker's text, or a CheckpointError naming it when it cannot be read as text."""
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read this latest marker: {getattr(e, 'strerror', None) or e}", path) from None
 
 
 def pick_step(path: Path, step: str | int) -> tuple[Path, str]:

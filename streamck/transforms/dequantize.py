@@ -37,6 +37,7 @@ from streamck.errors import OutputError
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
 from streamck.transforms.base import device_of
+from streamck.transforms.fp4 import GROUP
 from streamck.transforms.quantize import BAND_BYTES, host_bytes
 
 
@@ -112,7 +113,6 @@ def _whole(reader: Reader, ref: TensorRef):
 FP4_VALUES = 1 << 18
 # E2M1 magnitudes by the nibble's low three bits (compressed-tensors' kE2M1ToFloat)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP4_GROUP = {"nv": 16, "mx": 32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +147,7 @@ class Fp4Dequant:
         out = getattr(torch, TORCH_NAMES[target.dtype])
         device = device_of(space)
         gs = None if self.global_scale is None else _whole(reader, self.global_scale).to(device).to(torch.float32)
-        step = max(1, FP4_VALUES // (2 * half))
+        step = max(1, FP4_VALUES // max(2 * half, 1))
         packed, scales = reader.stream(ref), reader.stream(self.scale)
         for start in range(0, rows, step):
             n = min(step, rows - start)
@@ -192,5 +192,5 @@ def fp4_dequant(packed, scale, global_scale, kind: str):
     s = s.unsqueeze(-1)
     if global_scale is not None:
         s = s / global_scale  # bfloat16 / float32 [1]: float32
-    groups = values.unflatten(-1, (scale.shape[-1], FP4_GROUP[kind]))
+    groups = values.unflatten(-1, (scale.shape[-1], GROUP[kind]))
     return (groups.to(s.dtype) * s).flatten(start_dim=-2).to(torch.bfloat16)

@@ -60,6 +60,7 @@ def mla_plan(ckpt: Checkpoint, step: Path, args: dict, keys: dict[str, TensorRef
     sizes = config_sizes(config, config_path)
     check_args(args, config, sizes, config_path)
     sizes["Vp"] = keys[TOP[0][1]].shape[0] if TOP[0][1] in keys and keys[TOP[0][1]].shape else sizes["V"]
+    _check_vocab(args, sizes, config_path)
     tied = HEAD[1] not in keys
     if bool(config.get("tie_word_embeddings")) != tied:
         raise PlanError(f"the config's head tying is not the checkpoint's ({'tied' if tied else 'untied'})",
@@ -94,6 +95,16 @@ def mla_plan(ckpt: Checkpoint, step: Path, args: dict, keys: dict[str, TensorRef
     state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
     left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
     return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+
+
+def _check_vocab(args: dict, sizes: dict[str, int], where: Path) -> None:
+    """The config's vocab_size is the run's (args.vocab_size, where recorded) and fits the
+    embedding's padded rows: a larger one cannot be read, a smaller one would cut the vocabulary."""
+    want = args.get("vocab_size")
+    if isinstance(want, int) and want != sizes["V"]:
+        raise PlanError(f"vocab_size is {sizes['V']}, the checkpoint's args.vocab_size {want}", where)
+    if sizes["V"] > sizes["Vp"]:
+        raise PlanError(f"vocab_size {sizes['V']} exceeds the embedding's {sizes['Vp']} rows", where)
 
 
 def _refuse(keys: dict[str, TensorRef], args: dict, where: Path) -> None:

@@ -203,6 +203,9 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     _refuse_features(args, keys, step)
     if args.get("multi_latent_attention") or any(k.endswith(MLA_KEY) for k in keys):
+        if verl is not None:
+            raise PlanError("a verl Megatron actor with multi-latent attention (DeepSeek-V3): verl saves no Megatron "
+                            "args, which this conversion checks routing and RoPE against", verl.actor)  # fmt: skip
         return mla_plan(ckpt, step, args, keys, hf_config, rules, iteration)
     moe = MOE_FC1[0] in keys or bool(args.get("num_experts"))
     sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config, moe)

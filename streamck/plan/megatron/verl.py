@@ -34,7 +34,10 @@ def find_actor(path: Path) -> VerlActor | None:
     with no model dist checkpoint (verl's default: the model is the bridge's HF weights) and a
     LoRA actor (its manifest says ``peft``: the dist checkpoint holds the adapter alone) are refused."""
     if (path / TRACKER).is_file():
-        text = (path / TRACKER).read_text().strip()
+        try:
+            text = (path / TRACKER).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            text = ""  # not a tracker verl wrote: read the folder as it is
         if text.isdigit() and (path / f"global_step_{text}").is_dir():
             path = path / f"global_step_{text}"
     actor = actor_of(path)

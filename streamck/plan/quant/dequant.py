@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 from streamck.errors import PlanError, listing
 from streamck.plan.compile import OutputTensor, Plan
+from streamck.plan.quant.layout import output_config
 from streamck.transforms.dequantize import Fp4Dequant, Fp8Dequant
+from streamck.transforms.fp4 import GROUP
 
 # scale suffix -> the layout it marks
 SCALES = {"weight_scale_inv": "fp8", "weight_scale": "compressed-tensors"}
@@ -28,19 +29,12 @@ ACTIVATION = ("input_scale", "activation_scale", "output_scale", "input_global_s
 # compressed-tensors formats --dtype dequantizes (config_groups' "format")
 FORMATS = ("float-quantized", "naive-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 # packed FP4 by its scale's dtype: (kind, values a scale, whether a global scale goes with it)
-FP4_SCALES = {"F8_E4M3": ("nv", 16, True), "U8": ("mx", 32, False)}
+FP4_SCALES = {"F8_E4M3": ("nv", GROUP["nv"], True), "U8": ("mx", GROUP["mx"], False)}
 SCALE_NAMES = (*SCALES, *PACKED, *ACTIVATION)
 
 
 def _config(plan: Plan) -> dict:
-    data = plan.side_files.get("config.json")
-    if data is None and plan.source is not None and not plan.source.path.is_file():
-        data = (plan.source.side_root or plan.source.root) / "config.json"
-    try:
-        loaded = json.loads(data if isinstance(data, bytes) else Path(data).read_bytes()) if data else {}
-    except (OSError, ValueError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
+    return output_config(plan, beside_source=True) or {}
 
 
 def quantized_kind(plan: Plan) -> str | None:

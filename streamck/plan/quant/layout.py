@@ -5,6 +5,11 @@ what vLLM reads to pick its kernels."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from streamck.plan.compile import Plan
+
 # The compressed-tensors version model_free_ptq 0.14.0.1 runs with and records ("version").
 CT_VERSION = "0.19.0"
 
@@ -96,3 +101,19 @@ def quantization_config(scheme: str, ignore: list[str]) -> dict:
         "kv_cache_scheme": None,
         "quantization_status": "compressed",
     }
+
+
+def output_config(plan: Plan, beside_source: bool = False) -> dict | None:
+    """The output's config.json as a dict: the one a built-in plan builds, else the copied one
+    (after the rules' edits), else (``beside_source``) the source's own beside its weights; None
+    when there is none or it is no JSON object."""
+    data = plan.files.get("config.json", plan.side_files.get("config.json"))
+    if data is None and beside_source and plan.source is not None and not plan.source.path.is_file():
+        data = (plan.source.side_root or plan.source.root) / "config.json"
+    if data is None:
+        return None
+    try:
+        loaded = json.loads(data if isinstance(data, bytes) else Path(data).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None

@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
-from pathlib import Path
 
 from streamck.dtypes import CASTABLE
 from streamck.errors import PlanError, UsageError, listing
 from streamck.plan.compile import OutputTensor, Plan
 from streamck.plan.quant.fp4 import fp4_outputs, fp4_unfit
-from streamck.plan.quant.layout import NOT_YET, SCHEMES, USUAL_IGNORE, quantization_config
+from streamck.plan.quant.layout import NOT_YET, SCHEMES, USUAL_IGNORE, output_config, quantization_config
 from streamck.transforms.quantize import TILE, Fp8
 
 
@@ -93,7 +92,7 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
     # A built-in plan (torchtitan, Megatron, …) writes the config it builds among its files.
     files, side = dict(plan.files), dict(plan.side_files)
     summary = [f"quantizing {count} weights to {scheme} as llm-compressor's model_free_ptq (torch, bit for bit)"]
-    config = _config(plan)
+    config = output_config(plan)
     if config is not None:
         config["quantization_config"] = quantization_config(scheme, ignore)
         body = json.dumps(config, indent=2, sort_keys=True).encode()
@@ -137,19 +136,6 @@ def _refuse_quantized(plan: Plan) -> None:
             f"--quantize: the source is already quantized ({listing(sorted(names), 3)}); "
             "dequantize it first with --dtype bf16"
         )
-    config = _config(plan)
+    config = output_config(plan)
     if config is not None and "quantization_config" in config:
         raise PlanError("--quantize: the source's config.json has a quantization_config already; dequantize it first")
-
-
-def _config(plan: Plan) -> dict | None:
-    """The output's config.json as a dict (after the rules' edits, or as a built-in plan builds
-    it), or None without one."""
-    data = plan.files.get("config.json", plan.side_files.get("config.json"))
-    if data is None:
-        return None
-    try:
-        loaded = json.loads(data if isinstance(data, bytes) else Path(data).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return loaded if isinstance(loaded, dict) else None
