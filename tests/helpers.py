@@ -151,3 +151,36 @@ def missing(what: str) -> None:
     if os.environ.get("STREAMCK_REQUIRE_PRODUCERS"):
         pytest.fail(f"{what} (STREAMCK_REQUIRE_PRODUCERS: scripts/test installs it)")
     pytest.skip(what)
+
+
+MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(REPO / ".venv" / "megatron-core-0.19.2"))
+
+
+def megatron_checkpoints(request, tmp_path_factory, script: str, what: str, torchrun: bool = False) -> dict[str, Path]:
+    """The checkpoints tests/``script`` writes with megatron-core's own code (and bench/megatron_ckpt.py's
+    stand-ins) into a folder per model, made once per version of that code and kept in pytest's cache
+    (``streamck-{what}``); megatron-core is put on the child's path only. Skipped where it is not
+    unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2, else it starts its own."""
+    import hashlib
+
+    import pytest
+
+    here = REPO / "tests"
+    code = b"".join(p.read_bytes() for p in (here / script, REPO / "bench" / "megatron_ckpt.py"))
+    cache = getattr(request.config, "cache", None)
+    root = Path(cache.mkdir(f"streamck-{what}")) if cache is not None else tmp_path_factory.mktemp(what)
+    base = root / f"{what}-{hashlib.sha256(code).hexdigest()[:12]}"
+    if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
+        pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
+
+    def build(tmp: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([MEGATRON, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else []
+        command = ["timeout", "1200", sys.executable, *ranks, str(here / script), str(tmp)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1300)
+        if done.returncode:
+            raise RuntimeError(f"{script} failed:\n{done.stderr[-6000:]}")
+
+    built_once(base, build)
+    return {d.name: d for d in base.iterdir() if d.is_dir()}

@@ -7,49 +7,22 @@ transformers' own save_pretrained names for the loaded model."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import cli, megatron_checkpoints
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-HERE = Path(__file__).parent
 PLAN = "megatron-gpt"
-MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(HERE.parent / ".venv" / "megatron-core-0.19.2"))
 
 
 @pytest.fixture(scope="session")
 def megatron_moe(request, tmp_path_factory) -> dict[str, Path]:
-    code = b"".join(
-        p.read_bytes() for p in (HERE / "megatron_moe_fixtures.py", HERE.parent / "bench" / "megatron_ckpt.py")
-    )
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-megatron-moe")) if cache is not None else tmp_path_factory.mktemp("mg_moe")
-    base = root / f"megatron-moe-{hashlib.sha256(code).hexdigest()[:12]}"
-    if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
-        pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
-
-    def build(tmp: Path) -> None:
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([MEGATRON, os.environ.get("PYTHONPATH", "")]),
-        }
-        done = subprocess.run([sys.executable, str(HERE / "megatron_moe_fixtures.py"), str(tmp)], env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"megatron MoE fixture failed:\n{done.stderr[-6000:]}")
-
-    built_once(base, build)
-    return {d.name: d for d in base.iterdir() if d.is_dir()}
+    return megatron_checkpoints(request, tmp_path_factory, "megatron_moe_fixtures.py", "megatron-moe")
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_tp2", "mixtral_te"])

@@ -10,52 +10,24 @@ sides, and transformers' own save_pretrained names and dtypes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, says_the_plan
+from helpers import cli, megatron_checkpoints, says_the_plan
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-HERE = Path(__file__).parent
 PLAN = "megatron-gpt"
-MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(HERE.parent / ".venv" / "megatron-core-0.19.2"))
 # Megatron's and transformers' fp32 forwards of the same weights differed by < 1e-6 here.
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="session")
 def megatron_dsv3(request, tmp_path_factory) -> dict[str, Path]:
-    code = b"".join(
-        p.read_bytes() for p in (HERE / "megatron_dsv3_fixtures.py", HERE.parent / "bench" / "megatron_ckpt.py")
-    )
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-megatron-dsv3")) if cache is not None else tmp_path_factory.mktemp("mg_dsv3")
-    base = root / f"megatron-dsv3-{hashlib.sha256(code).hexdigest()[:12]}"
-    if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
-        pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
-
-    def build(tmp: Path) -> None:
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([MEGATRON, os.environ.get("PYTHONPATH", "")]),
-        }
-        command = ["timeout", "900", sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "2", str(HERE / "megatron_dsv3_fixtures.py"), str(tmp)]  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1000)
-        if done.returncode:
-            raise RuntimeError(f"megatron DeepSeek-V3 fixture failed:\n{done.stderr[-6000:]}")
-
-    built_once(base, build)
-    return {d.name: d for d in base.iterdir() if d.is_dir()}
+    return megatron_checkpoints(request, tmp_path_factory, "megatron_dsv3_fixtures.py", "megatron-dsv3", torchrun=True)
 
 
 def _logits(model, tokens):
