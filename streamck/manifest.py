@@ -14,7 +14,9 @@ Format (version 1)::
     }
 
 Keys are sorted everywhere. A tensor entry may carry more fields (``sha256``
-in a hash manifest); readers ignore fields they do not know.
+in a hash manifest); readers ignore fields they do not know. A hash manifest
+also has ``"files": {"model.safetensors": {"sha256": ..., "size": ...}}``, each file
+the tensors are read from by its path under the checkpoint's root.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def dumps(manifest: dict[str, Any]) -> str:
     for i, key in enumerate(keys):
         comma = "," if i < len(keys) - 1 else ""
         value = manifest[key]
-        if key == "tensors" and value:
+        if key in ("tensors", "files") and value:
             lines.append(f"  {dump(key)}: {{")
             rows = sorted(value.items())
             lines += [f"    {orjson.dumps(n).decode()}: {_entry(e)}," for n, e in rows]  # = json.dumps here

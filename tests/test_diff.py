@@ -75,7 +75,7 @@ def test_equal_says_what_was_compared(tmp_path):
     assert same.splitlines()[-1] == "same 13 tensors: names, dtypes, shapes and values"
     (tmp_path / "a.json").write_text(cli("hash", a, "--json", check=0).stdout)
     hashed = cli("diff", tmp_path / "a.json", a, check=0).stdout
-    assert hashed.splitlines()[-1] == "same 13 tensors: names, dtypes, shapes and sha256"
+    assert hashed.splitlines()[-1] == "same 13 tensors: names, dtypes, shapes, sha256 and whole files"  # #43: files too
 
 
 def test_manifest_against_dry_run_manifest(tmp_path):

@@ -74,12 +74,14 @@ class DiffResult:
     shape: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     digest: list[str] = field(default_factory=list)
     data: list[DataDiff] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # whole files whose sha256 or size differ, or on one side
     digests_compared: bool = False  # sha256 digests, where a side carried them
     data_compared: bool = False  # tensor bytes (data=True)
+    files_compared: bool = False  # whole-file digests, where a manifest carried them
 
     @property
     def equal(self) -> bool:
-        return not (self.only_a or self.only_b or self.dtype or self.shape or self.digest or self.data)
+        return not (self.only_a or self.only_b or self.dtype or self.shape or self.digest or self.data or self.files)
 
     def __bool__(self) -> bool:
         return not self.equal
@@ -97,13 +99,15 @@ class DiffResult:
             "shape_changed": [{"name": n, "a": x, "b": y} for n, x, y in self.shape],
             "digest_changed": self.digest,
             "data_changed": [d.__dict__ for d in self.data],
+            "file_changed": self.files,
             "compared": self.compared,
         }
 
     @property
     def compared(self) -> list[str]:
         """The properties of the common tensors that were compared."""
-        return ["names", "dtypes", "shapes"] + ["sha256"] * self.digests_compared + ["values"] * self.data_compared
+        found = ["names", "dtypes", "shapes"] + ["sha256"] * self.digests_compared + ["values"] * self.data_compared
+        return found + ["whole files"] * self.files_compared
 
     def __str__(self) -> str:
         lines = [f"--- a: {self.a} ({self.count_a} tensors)", f"+++ b: {self.b} ({self.count_b} tensors)"]
@@ -126,13 +130,14 @@ class DiffResult:
                 for d in self.data
             ],
         )
+        section(f"file changed ({len(self.files)}):", [f"  ! {f}" for f in self.files])
         if self.equal:
             lines.append(self.same())
         return "\n".join(lines)
 
     def same(self) -> str:
         """What "equal" means here: which properties of the tensors were compared."""
-        if self.data_compared or self.digests_compared:
+        if self.data_compared or self.digests_compared or self.files_compared:
             return f"same {self.count_a} tensors: {', '.join(self.compared[:-1])} and {self.compared[-1]}"
         return f"same {self.count_a} tensors: names, dtypes, shapes; values not compared (--data compares them)"
 
@@ -236,7 +241,25 @@ def diff(
     result.digest, result.digests_compared = digests or [], digests is not None
     if data:
         result.data, result.data_compared = _compare_data(sa.checkpoint, sb.checkpoint, same_layout), True
+    if not ignore:  # a file holds the ignored tensors too
+        files = _compare_files(sa, sb)
+        result.files, result.files_compared = files or [], files is not None
     return result
+
+
+def _compare_files(sa: Side, sb: Side) -> list[str] | None:
+    """The files (by path under the root) whose digest or size differ, or that one side lacks;
+    None when neither side is a manifest carrying ``files`` (a checkpoint's are hashed only then)."""
+    from streamck.check.digest import file_digests
+
+    fa, fb = sa.manifest.get("files"), sb.manifest.get("files")
+    if fa is None and fb is None:
+        return None
+    fa = fa if fa is not None else file_digests(sa.checkpoint) if sa.checkpoint is not None else None
+    fb = fb if fb is not None else file_digests(sb.checkpoint) if sb.checkpoint is not None else None
+    if fa is None or fb is None:
+        return None
+    return sorted(n for n in set(fa) | set(fb) if fa.get(n) != fb.get(n))
 
 
 def _compare_digests(sa: Side, sb: Side, names: list[str]) -> list[str] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 from streamck.manifest import build_manifest
@@ -24,8 +25,22 @@ def tensor_digests(checkpoint: Checkpoint, names: list[str] | None = None) -> di
     return digests
 
 
+def file_digests(checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
+    """The ``sha256`` and ``size`` of each file the checkpoint's tensors are read from, by its
+    path relative to the checkpoint's root: what ``sha256sum`` prints, the Hub's LFS oid."""
+    found = {}
+    for path in sorted(checkpoint.files):
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, ALGORITHM).hexdigest()
+            size = os.fstat(f.fileno()).st_size
+        found[os.path.relpath(path, checkpoint.root)] = {ALGORITHM: digest, "size": size}
+    return found
+
+
 def hash_manifest(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The checkpoint's manifest with a ``sha256`` field in every tensor entry."""
+    """The checkpoint's manifest with a ``sha256`` field in every tensor entry, and its
+    files' digests under ``files`` (file_digests)."""
     digests = tensor_digests(checkpoint)
     rows = ((t.name, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors.values())
-    return build_manifest(rows, checkpoint.metadata, {n: {ALGORITHM: d} for n, d in digests.items()})
+    manifest = build_manifest(rows, checkpoint.metadata, {n: {ALGORITHM: d} for n, d in digests.items()})
+    return {**manifest, "files": file_digests(checkpoint)}
