@@ -140,6 +140,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         part=part,
         keep_shards=args.keep_shards,
+        strict=args.strict,
     )
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
@@ -147,14 +148,18 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         report = {
             "files": [str(f) for f in result.files],
             "overflow": dict(sorted(result.overflow.items())),
-            "tensors": len(plan.tensors),
+            "tensors": result.tensors,
             "total_size": result.total_size,
             "shared_bytes": result.shared,
             "copied_bytes": result.copied,
         }
         print(json.dumps(report, indent=2, sort_keys=True))
     elif not args.quiet:
-        wrote = f"wrote {len(plan.tensors)} tensors, {human(result.total_size)} to {args.output}"
+        wrote = f"wrote {result.tensors} tensors, {human(result.total_size)} to {args.output}"
+        if part is not None:
+            shards = sum(f.suffix in (".safetensors", ".bin") for f in result.files)
+            wrote = f"part {part[0]}/{part[1]}: {shards} shards, {result.tensors} of {len(plan.tensors)} tensors, "
+            wrote += f"{human(result.total_size)} of {human(plan.total_size)} to {args.output}"
         moved = f"{human(result.shared)} shared with the source, {human(result.copied)} copied"
         print(f"{wrote} ({moved})", file=sys.stderr)
     return 0
@@ -167,6 +172,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     b = _side(args.b, args, args.zero or args.zero_b)
     result = diff(a, b, ignore=tuple(args.ignore or ()), data=args.data)
     args.status = 0 if result.equal else 1  # the answer, even if stdout closes (diff A B | head)
+    if args.quiet and result.equal:
+        return 0  # quiet means quiet: the exit status is the answer
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
     else:

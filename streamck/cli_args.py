@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--no-copy-files", action="store_true", help="do not copy config and tokenizer files along")
     rw.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")
     rw.add_argument(
+        "--strict", action="store_true", help="a lossy cast (finite values become inf) is an error, not a warning"
+    )
+    rw.add_argument(
         "--progress",
         choices=PROGRESS,
         help="auto (the default): a bar on a terminal, else a log line every 10 s (batch jobs); -q: none",
@@ -270,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
     df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
     df.add_argument("--json", action="store_true", help="print the result as JSON")
-    _quiet(df)
+    _quiet(df, "; nothing when the sides agree")
     _source_options(df, diff=True)
 
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")

@@ -156,6 +156,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
                 "--keep-shards",
                 "--progress",
                 "log",
+                "--strict",
             ]
         )
     assert seen == {
@@ -166,6 +167,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         "drop_cache": True,
         "device": "cpu",
         "verify": True,
+        "strict": True,
         "progress": "log",
         "format": "torch",
         "jobs": 3,

@@ -10,7 +10,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamck.errors import OutputError, UsageError
+from streamck.errors import OutputError, PlanError, UsageError, listing
 from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
@@ -45,6 +45,7 @@ class WriteResult:
     total_size: int
     overflow: dict[str, int] = field(default_factory=dict)
     shared: int = 0
+    tensors: int = 0  # written by this run: a --part's share, else the plan's every tensor
 
     @property
     def copied(self) -> int:
@@ -93,6 +94,7 @@ def write_plan(
     jobs: int = 1,
     part: tuple[int, int] | None = None,
     keep_shards: bool = False,
+    strict: bool = False,
 ) -> WriteResult:
     """Write ``plan`` to ``out``: a ``*.safetensors`` path is one file, a ``*.bin``/``.pt``/
     ``.pth`` path one torch.save archive; any other path is a directory holding
@@ -104,6 +106,8 @@ def write_plan(
     shards at once (threads; the bytes are the same as with one). ``part=(K, N)`` writes
     only part K of N of a directory output's shards, see streamck.writer.parts.
     ``keep_shards`` writes one shard per source file, its tensors in the source's order.
+    ``strict`` makes a lossy cast (finite values turned into infinity) an error: the output
+    (or the part's shard) is not kept; on a stream (``out="-"``) the error comes at its end.
     ``progress`` shows the write's progress on stderr: ``"bar"`` (or True), ``"log"`` (a line
     every 10 s, for batch jobs), ``"auto"`` (a bar on a terminal, else log lines), or
     ``"none"`` (or False), or a reporter of streamck.writer.progress.
@@ -132,7 +136,9 @@ def write_plan(
             raise UsageError("--part writes its share of a directory output's files; -o - is one stream")
         if keep_shards:
             raise UsageError("--keep-shards writes files beside their source's; -o - is one stream")
-        return _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
+        result = _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
+        _refuse_overflow(result.overflow, strict)
+        return result
     out = _target(out)
     named = file_format(out)
     single = named is not None
@@ -182,8 +188,8 @@ def write_plan(
         stack.callback(syncer.close)
         try:
             if part is not None:
-                files, size = _write_part(plan, out, shards, owners, part[0], workers, verify)
-                return WriteResult(files, size, workers.overflow, workers.shared)
+                files, size, count = _write_part(plan, out, shards, owners, part[0], workers, verify, strict)
+                return WriteResult(files, size, workers.overflow, workers.shared, count)
             tmp = stack.enter_context(atomic_output(out, is_dir=not single, force=force))
             paths = [tmp] if single else [tmp / s.filename for s in shards]
 
@@ -193,6 +199,7 @@ def write_plan(
 
             workers.map(write, list(range(len(shards))))
             syncer.wait()
+            _refuse_overflow(workers.overflow, strict)
             if verify:
                 workers.map(lambda w, i: verify_shard(shards[i], paths[i], w.cpu_caster), list(range(len(shards))))
             extras = [] if single else _write_extras(plan, shards, tmp)
@@ -202,22 +209,25 @@ def write_plan(
         if plan.source is not None:
             plan.source.check_unchanged()
     files = [out] if single else [out / s.filename for s in shards] + [out / n for n in extras]
-    return WriteResult(files, plan.total_size, workers.overflow, workers.shared)
+    return WriteResult(files, plan.total_size, workers.overflow, workers.shared, len(plan.tensors))
 
 
 def _write_part(
-    plan: Plan, out: Path, shards: list[Shard], owners: list[int], k: int, workers: Workers, verify: bool
-) -> tuple[list[Path], int]:
+    plan: Plan, out: Path, shards: list[Shard], owners: list[int], k: int, workers: Workers, verify: bool,
+    strict: bool = False,
+) -> tuple[list[Path], int, int]:
     """Part ``k`` (1-based): the shards ``owners`` gives it (each shard's 0-based part), each
     written, fsynced (and verified) under a temporary name and renamed into ``out``; then
     the side files, the same bytes from every part,
     and the index once every shard is there (whichever part finishes last writes it;
-    downstream jobs may wait for it). Returns the paths written and their tensor bytes."""
+    downstream jobs may wait for it). Returns the paths written, their tensor bytes and count."""
     mine = [s for s, owner in zip(shards, owners, strict=True) if owner == k - 1]
 
     def write(writer: ShardWriter, shard: Shard) -> None:
         with atomic_output(out / shard.filename, is_dir=False, force=True) as tmp:
             writer.write_file(shard, tmp)
+            lossy = {t.name: writer.overflow[t.name] for t in shard.tensors if t.name in writer.overflow}
+            _refuse_overflow(lossy, strict)
             _fsync(tmp)
             if verify:
                 verify_shard(shard, tmp, writer.cpu_caster)
@@ -235,7 +245,15 @@ def _write_part(
     if plan.source is not None:
         plan.source.check_unchanged()
     written = [out / s.filename for s in mine] + [out / n for n in sorted(extras) if n not in index or complete]
-    return written, sum(t.nbytes for s in mine for t in s.tensors)
+    return written, sum(t.nbytes for s in mine for t in s.tensors), sum(len(s.tensors) for s in mine)
+
+
+def _refuse_overflow(overflow: dict[str, int], strict: bool) -> None:
+    """Under ``strict``, a cast that turned finite values into infinity is a PlanError."""
+    if strict and overflow:
+        worst = sorted(overflow.items(), key=lambda kv: -kv[1])
+        named = listing([f"{name} ({count})" for name, count in worst], 4)
+        raise PlanError(f"--strict: finite values became inf in the cast of {len(overflow)} tensors: {named}")
 
 
 def _check_keep_shards(plan: Plan, out: Path, single: bool, format: str, max_shard_size: int | None) -> None:
@@ -361,4 +379,4 @@ def _to_stdout(
         bar.close()
     if plan.source is not None:
         plan.source.check_unchanged()
-    return WriteResult([Path("-")], plan.total_size, writer.overflow)
+    return WriteResult([Path("-")], plan.total_size, writer.overflow, tensors=len(plan.tensors))
