@@ -28,8 +28,19 @@ class Command:
     positional: list[str] | None = None
 
 
+def value_words(plans: list[str]) -> dict[str, list[str]]:
+    """The words an option's value completes to, by its dest, beyond argparse's ``choices``: the
+    built-in plans, the dtypes a cast takes (as users spell them) and the quantization schemes."""
+    from streamck.dtypes import ALIASES
+    from streamck.plan.quant.layout import SCHEMES
+
+    return {"plan": plans, "dtype": list(ALIASES), "quantize": list(SCHEMES)}
+
+
 def commands(parser: argparse.ArgumentParser, plans: list[str]) -> dict[str, Command]:
-    """Every subcommand of ``parser`` as a Command; ``--plan`` completes ``plans`` and paths."""
+    """Every subcommand of ``parser`` as a Command; ``--plan`` completes ``plans`` and paths,
+    ``--dtype`` and ``--quantize`` their values (value_words), other options their choices."""
+    known = value_words(plans)
     found = {}
     for name, sub in parser.commands.items():  # type: ignore[attr-defined]
         cmd = Command()
@@ -41,7 +52,7 @@ def commands(parser: argparse.ArgumentParser, plans: list[str]) -> dict[str, Com
             cmd.flags += action.option_strings
             if action.nargs == 0:
                 continue
-            words = plans if action.dest == "plan" else list(action.choices or ())
+            words = known.get(action.dest) or list(action.choices or ())
             cmd.values.update(dict.fromkeys(action.option_strings, (words, action.dest in PATH_DESTS)))
         found[name] = cmd
     return found

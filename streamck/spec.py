@@ -81,13 +81,13 @@ class SourceSpec:
 
     def compile(self, rules: Rules | None = None, *, copy_files: bool = True) -> Plan:
         """What a rewrite of this source writes under ``rules`` (after a plan file's own)."""
-        from streamck.plan import BUILTIN_PLANS, Rules, compile_plan, load_rules
+        from streamck.plan import BUILTIN_PLANS, Rules, compile_plan
 
         rules = Rules() if rules is None else rules
         self._check_plan_options()
         name = self.builtin
         if name is None:
-            base = load_rules(self.plan) if self.plan is not None else Rules()
+            base = _plan_file(self.plan) if self.plan is not None else Rules()
             plan = compile_plan(self.open(), base + rules, copy_files=copy_files)
             hint = plan_hint(plan.source.tensors) if self.plan is None else None
             plan.notices[:0] = [hint] if hint else []  # a trainer's step that a built-in plan exports
@@ -114,3 +114,19 @@ class SourceSpec:
             if value is not None and self.builtin not in plans:
                 where = f", not {self.builtin}" if self.builtin else ""
                 raise UsageError(f"{flag} applies to --plan {', '.join(sorted(plans))} only{where}")
+
+
+def _plan_file(plan: str | os.PathLike) -> Rules:
+    """The rules of a TOML plan file; a name that is neither a file nor a built-in plan is a
+    UsageError naming the closest built-in plan and all of them (``--plan torchtitn``)."""
+    from difflib import get_close_matches
+
+    from streamck.plan import BUILTIN_PLANS, load_rules
+
+    if not os.path.exists(plan) and os.sep not in os.fspath(plan) and not Path(plan).suffix:
+        names = list(BUILTIN_PLANS)
+        close = get_close_matches(os.fspath(plan), names, n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]}? " if close else ""
+        what = f"--plan {os.fspath(plan)}: no such built-in plan or plan file"
+        raise UsageError(f"{what}; {guess}the built-in plans: {', '.join(names)}")
+    return load_rules(plan)

@@ -60,7 +60,13 @@ def test_bash_completes_choices_plans_and_paths(bash_script, tmp_path):
     assert complete(bash_script, "streamck ls run/mo", cwd=tmp_path) == ["run/model.safetensors"]
     assert complete(bash_script, "streamck rewrite run -o ru", cwd=tmp_path) == ["run"]
     assert complete(bash_script, "streamck rewrite run --plan pl", cwd=tmp_path) == ["plan.toml"]
-    assert complete(bash_script, "streamck rewrite run --dtype ", cwd=tmp_path) == []  # no files for a dtype
+    # Issue #43: the values of --dtype and --quantize complete (no files for them)
+    assert complete(bash_script, "streamck rewrite run --dtype b", cwd=tmp_path) == ["bf16", "bfloat16"]
+    assert "fp16" in complete(bash_script, "streamck rewrite run --dtype ", cwd=tmp_path)
+    assert complete(bash_script, "streamck rewrite run --quantize NV", cwd=tmp_path) == ["NVFP4A16"]
+    assert complete(bash_script, "streamck rewrite run --quantize ", cwd=tmp_path) == sorted(
+        ["FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16"]
+    )
 
 
 def test_every_option_is_in_every_script():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from streamck.errors import CheckpointError
+from streamck.errors import CheckpointError, listing
 from streamck.source.steps import LATEST_LINK, LATEST_NAME, LATEST_NUMBER, steps
 
 # Index files, most preferred first; each names shards relative to its directory.
@@ -120,6 +120,29 @@ def _from_index(root: Path, index_path: Path) -> Layout:
             raise CheckpointError(f"weight_map names shard {shard!r}, which does not exist", index_path)
         spellings.setdefault(path, set()).add(shard)
     return Layout(root, sorted(spellings), weight_map, spellings, index_path)
+
+
+_NUMBERED = re.compile(r"(.+)-(\d{5})-of-(\d{5})(\.safetensors|\.bin)")
+
+
+def _incomplete(path: Path, shards: list[Path]) -> CheckpointError | None:
+    """The error for numbered shards without an index that are not all there
+    (``model-00002-of-00004.safetensors`` but no ``-00001-``): an output whose ``--part`` runs
+    have not all finished, or a copy cut short, which would read as a smaller model."""
+    sets: dict[tuple[str, int, str], set[int]] = {}
+    for shard in shards:
+        m = _NUMBERED.fullmatch(shard.name)
+        if m:
+            sets.setdefault((m.group(1), int(m.group(3)), m.group(4)), set()).add(int(m.group(2)))
+    for (stem, total, suffix), have in sorted(sets.items()):
+        missing = [f"{stem}-{i:05d}-of-{total:05d}{suffix}" for i in range(1, total + 1) if i not in have]
+        if missing:
+            return CheckpointError(
+                f"incomplete: {len(missing)} of {total} shards missing ({listing(missing, 4)}) and no index; "
+                "an output whose --part runs have not all finished?",
+                path,
+            )
+    return None
 
 
 def bare_run_root(path: Path) -> bool:
@@ -236,7 +259,7 @@ def hub_snapshot(path: Path) -> Path:
         if not cached.is_dir():
             raise CheckpointError(
                 f"no such path, nor a repo in the Hugging Face cache {hub_cache()} "
-                f"(streamck never downloads: run `huggingface-cli download {path}` first)",
+                f"(streamck never downloads: run `hf download {path}` first)",
                 path,
             )
         path = cached
@@ -293,7 +316,7 @@ def find_layout(path: Path) -> Layout:
     for pattern in SHARD_GLOBS:
         shards = sorted(p for p in path.glob(pattern) if p.is_file())
         if shards:
-            refused = fsdp.rank_files_error(path)
+            refused = fsdp.rank_files_error(path) or _incomplete(path, shards)
             if refused:
                 raise refused
             return Layout(path, shards, zero=zero, zero_unclear=unclear)

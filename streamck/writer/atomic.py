@@ -131,6 +131,10 @@ def is_temporary(name: str) -> bool:
     return _TMP_RE.match(name) is not None
 
 
+# What a clone of a Hugging Face model repo holds beside the weights (`git clone`, then `git lfs`).
+REPO_FILES = (".git", ".gitattributes", ".gitignore", "README.md")
+
+
 def _is_weights(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in STALE_WEIGHTS)
 
@@ -138,8 +142,9 @@ def _is_weights(name: str) -> bool:
 def _foreign(directory: Path, writes: Iterable[str]) -> list[str]:
     """What ``directory`` holds that --force may not replace: anything but what this output
     writes (files, and folders it writes whole) and files that are weights and indexes of
-    an earlier export."""
-    ours = set(writes)
+    an earlier export. In a git clone (a Hub model repo, to push the export from), its git
+    files and model card (REPO_FILES) are no part of any export either: they stay as they are."""
+    ours = set(writes) | (set(REPO_FILES) if (directory / ".git").exists() else set())
     return sorted(
         p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
         for p in directory.iterdir()
