@@ -125,3 +125,35 @@ def test_hash_manifest_files_are_relative_to_the_checkpoint(tmp_path):
     assert manifest["files"] == {
         "m.safetensors": {"sha256": hashlib.sha256(src.read_bytes()).hexdigest(), "size": src.stat().st_size}
     }
+
+
+SGD_RUN = """
+import sys, torch, lightning.pytorch as pl
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+    def training_step(self, batch, _):
+        return self.net(batch[0]).pow(2).mean()
+    def configure_optimizers(self):  # plain SGD keeps no state: optimizer_states holds no tensor
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Tiny())
+trainer.save_checkpoint(sys.argv[1])
+"""
+
+
+def test_lightning_model_group_note_names_stateless_training_state(tmp_path):
+    """A Lightning Trainer's own .ckpt of a plain-SGD run: the note says what was left out."""
+    import sys
+
+    ckpt = tmp_path / "last.ckpt"
+    subprocess.run(["timeout", "300", sys.executable, "-c", SGD_RUN, str(ckpt)], check=True, capture_output=True)
+    err = cli("rewrite", ckpt, "-o", tmp_path / "m.safetensors", check=0).stderr
+    assert "read the model: 2 tensors under 'state_dict'" in err and "left out: ;" not in err
+    assert "left out: loops, callbacks, optimizer_states, lr_schedulers (no tensors); --key '*'" in err, err

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from streamck.errors import CheckpointError, listing
-from streamck.source.groups import ALL_KEY, model_group, model_note
+from streamck.source.groups import ALL_KEY, is_state, model_group, model_note
 
 
 def select(
@@ -34,6 +34,8 @@ def select(
     group = model_group(counts)
     if group is not None and isinstance(obj[group], dict) and not any(isinstance(v, tensor) for v in obj.values()):
         left = ", ".join(f"{k} ({n} tensor{'s' * (n > 1)})" for k, n in counts.items() if n and k != group)
+        # Training state that holds no tensor (plain SGD's optimizer_states) is still what was left out.
+        left = left or ", ".join(k for k in counts if is_state(k)) + " (no tensors)"
         notices.append(f"{path.name}: " + model_note(group, counts[group], left))
         return obj[group]
     holders = [k for k, n in counts.items() if n and isinstance(obj[k], dict)]
