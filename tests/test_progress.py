@@ -122,3 +122,62 @@ def test_cli_progress_modes(tmp_path, monkeypatch, capsys):
         assert "streamck: progress:" not in err and "B/s" not in err
     refused = cli("rewrite", src, "-o", tmp_path / "d", "--progress", "lg", check=2).stderr
     assert "invalid choice: 'lg'" in refused and "did you mean log?" in refused
+
+
+def test_time_left_goes_at_each_kind_of_work_own_rate():
+    """Issue #43: fast copies, then a slow quantization: the time left is the quantization's
+    bytes at its own rate, not at the copies' (which foretold 16 s here)."""
+    clock, out = Clock(), io.StringIO()
+    log = Log(200 * MiB, out, clock, kinds={"a": ("copy", 100 * MiB), "b": ("Fp8", 100 * MiB)})
+    log.tensor("a")
+    clock.now += 10
+    log(100 * MiB)
+    log.tensor("b")
+    clock.now += 10
+    log(10 * MiB)  # 1 MiB/s: 90 MiB left
+    assert "ETA 0:01:30" in out.getvalue().splitlines()[-1]
+
+
+def test_verify_is_part_of_the_work_and_named():
+    """--verify re-reads every tensor: its bytes count toward the total, the line says what is verified."""
+    clock, out = Clock(), io.StringIO()
+    log = Log(10 * MiB, out, clock, verify=True)
+    log.tensor("w")
+    clock.now += 10
+    log(10 * MiB)
+    assert "10.00 MiB of 20.00 MiB (50%)" in out.getvalue() and "ETA 0:00:10" in out.getvalue()
+    log.phase("verifying")
+    log.tensor("w")
+    clock.now += 10
+    log(5 * MiB)
+    # the re-read goes at its own pace: 5 MiB in 10 s, 5 MiB left
+    assert out.getvalue().splitlines()[-1].endswith("(75%), 768.00 KiB/s, ETA 0:00:10, 0:00:20 elapsed, verifying w")
+
+
+def test_a_batch_log_keeps_coming_while_no_byte_arrives():
+    """A long computation before a tensor's first bytes (an NVFP4 global scale, a verify of a
+    slow transform): the log thread still writes a line each period."""
+    import time
+
+    out = io.StringIO()
+    log = Log(MiB, out, every=0.1, beat=True)
+    log.tensor("model.layers.0.mlp.experts.gate_up_proj")
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2 and all("0 B of 1.00 MiB" in line for line in lines)
+    assert lines[-1].endswith("writing model.layers.0.mlp.experts.gate_up_proj")
+
+
+def test_a_verified_write_reports_its_re_read(tmp_path):
+    tensors = {f"t{i}": np.full(40_000, i, np.float32) for i in range(3)}
+    src = save(tmp_path / "src.safetensors", tensors)
+    plan = compile_plan(open_checkpoint(src), Rules(dtype="F16"))
+    out = io.StringIO()
+    log = Log(plan.total_size, out, Clock(step=10.0), verify=True)
+    write_plan(plan, tmp_path / "o.safetensors", progress=log, chunk=16_000, verify=True)
+    assert log.done == 2 * plan.total_size
+    lines = out.getvalue().splitlines()
+    assert any(line.endswith("verifying t2") for line in lines) and "(100%)" in lines[-1]

@@ -177,7 +177,7 @@ def write_plan(
     sharing = Sharing.probe(out if part is not None else out.parent) if format == "safetensors" else None
     if sharing is not None:
         shards = [line_up(s, sharing, header_align) for s in shards]
-    bar = reporter(plan.total_size, progress)
+    bar = reporter(plan.total_size, progress, kinds=work_kinds(plan), verify=verify)
     workers = Workers(jobs, chunk, device, drop_cache, bar, sharing)
     if _casts(plan, device):
         _caster(workers.first)  # a missing torch or CUDA device is an error before any file exists
@@ -201,7 +201,8 @@ def write_plan(
             syncer.wait()
             _refuse_overflow(workers.overflow, strict)
             if verify:
-                workers.map(lambda w, i: verify_shard(shards[i], paths[i], w.cpu_caster), list(range(len(shards))))
+                bar.phase("verifying")
+                workers.map(lambda w, i: verify_shard(shards[i], paths[i], w.cpu_caster, bar), list(range(len(shards))))
             extras = [] if single else _write_extras(plan, shards, tmp)
         except OSError as e:
             where = e.filename or out
@@ -246,6 +247,15 @@ def _write_part(
         plan.source.check_unchanged()
     written = [out / s.filename for s in mine] + [out / n for n in sorted(extras) if n not in index or complete]
     return written, sum(t.nbytes for s in mine for t in s.tensors), sum(len(s.tensors) for s in mine)
+
+
+def work_kinds(plan: Plan) -> dict[str, tuple[str, int]]:
+    """Each output tensor's kind of work (``copy``, ``cast``, or its transform's class) and
+    bytes, for the progress log's time left: the kinds go at very different rates."""
+    return {
+        t.name: (type(t.transform).__name__ if t.transform is not None else "cast" if t.is_cast else "copy", t.nbytes)
+        for t in plan.tensors
+    }
 
 
 def _refuse_overflow(overflow: dict[str, int], strict: bool) -> None:

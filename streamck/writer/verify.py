@@ -11,6 +11,9 @@ from streamck.fileio import read_into
 from streamck.plan import OutputTensor
 from streamck.source.reader import Reader
 from streamck.writer.layout import Shard
+from streamck.writer.progress import Silent
+
+_SILENT = Silent()
 
 
 def _nan_only(a: memoryview, b: memoryview, dtype: str) -> bool:
@@ -58,10 +61,10 @@ def _verify_archive(shard: Shard, path: Path, fd: int, caster_factory: Callable)
                 raise OutputError(f"verification failed: {what} differs from its source", path)
 
 
-def verify_shard(shard: Shard, path: Path, caster_factory: Callable) -> None:
+def verify_shard(shard: Shard, path: Path, caster_factory: Callable, progress: Silent = _SILENT) -> None:
     """Check the written ``shard`` at ``path``: its size, its header byte for byte, and every
     tensor against its source: equal bytes, or for a cast equal to a fresh cast of the
-    source. Raises OutputError."""
+    source. Each tensor and its bytes checked are told to ``progress``. Raises OutputError."""
     offset, buffer = len(shard.header), bytearray(len(shard.header))
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -76,12 +79,14 @@ def verify_shard(shard: Shard, path: Path, caster_factory: Callable) -> None:
             raise OutputError("verification failed: the header differs from the plan's", path)
         with Reader() as reader:
             for t in shard.tensors:
+                progress.tensor(t.name)
                 for expected in _expected(t, reader, caster_factory):
                     if len(buffer) < len(expected):
                         buffer = bytearray(len(expected))
                     got = memoryview(buffer)[: len(expected)]
                     read_into(fd, got, offset, str(path))
                     offset += len(expected)
+                    progress(len(expected))
                     if got == expected or (t.is_cast and _nan_only(got, expected, t.dtype)):
                         continue
                     what = "a fresh cast of its source" if t.is_cast else "its source"
