@@ -331,7 +331,10 @@ def test_writeback_starts_the_disk_on_each_written_range(tmp_path, monkeypatch):
 def test_writer_asks_for_writeback_of_what_it_wrote(tmp_path, monkeypatch, fmt):
     # Small WRITEBACK_EVERY so the small fixture makes requests: they cover the file from
     # its start, in order, never past its end, and are all done before the run returns.
+    import functools
+
     import streamck
+    import streamck.source.reader as reader_module
     from streamck.writer import shardwriter
 
     calls = []
@@ -343,6 +346,9 @@ def test_writer_asks_for_writeback_of_what_it_wrote(tmp_path, monkeypatch, fmt):
 
     monkeypatch.setattr(shardwriter, "WRITEBACK_EVERY", 4096)
     monkeypatch.setattr(shardwriter, "start_writeback", record)
+    # The four tensors continue one another: one copy (#44), here in 4 KiB kernel-side pieces.
+    monkeypatch.setattr(reader_module, "KERNEL_MIN", 4096)
+    monkeypatch.setattr(shardwriter, "Reader", functools.partial(shardwriter.Reader, copy_chunk=4096))
     rng = np.random.default_rng(0)
     tensors = {f"w{i}": rng.standard_normal((32, 128)).astype(np.float32) for i in range(4)}  # 16 KiB each
     save(tmp_path / "src.safetensors", tensors)

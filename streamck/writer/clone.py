@@ -55,12 +55,7 @@ class Sharing:
 
     def may_share(self, t: OutputTensor) -> bool:
         """Whether ``t``'s bytes could be shared: unchanged, one run, in a file that can share."""
-        ref = t.source
-        if self.device is None or t.is_cast or t.transform is not None:  # bytes computed here
-            return False
-        if ref.strides is not None or ref.tiles is not None or ref.parts:
-            return False
-        return self.shares(ref.path)
+        return self.device is not None and one_run(t) and self.shares(t.source.path)
 
     def shares(self, path: Path) -> bool:
         """Whether ``path`` lies on the output's filesystem (and has not refused a clone)."""
@@ -75,6 +70,14 @@ class Sharing:
 
     def refuse(self, path: Path) -> None:
         self._paths[path] = False
+
+
+def one_run(t: OutputTensor) -> bool:
+    """Whether ``t``'s bytes are its source's, unchanged, as one run of one file."""
+    ref = t.source
+    if t.is_cast or t.transform is not None:  # bytes computed here
+        return False
+    return ref.strides is None and ref.tiles is None and not ref.parts
 
 
 def _middle(start: int, length: int) -> int:
@@ -92,8 +95,8 @@ def line_up(shard: Shard, sharing: Sharing, align: int) -> Shard:
         return shard
     gain: Counter[int] = Counter()
     offset = 0
-    for group, span in spans(shard.tensors, sharing):
-        if span is not None:
+    for group, span in spans(shard.tensors):
+        if span is not None and sharing.may_share(group[0]):
             gain[(span.start - offset) % BLOCK] += _middle(span.start, span.nbytes)
         offset += sum(t.nbytes for t in group)
     size = len(shard.header)
@@ -116,13 +119,14 @@ def _joined(group: list[OutputTensor]) -> Group:
     return group, _span(first, first.start, last.end - first.start)
 
 
-def spans(tensors: list[OutputTensor], sharing: Sharing | None) -> Iterator[Group]:
-    """``tensors`` in write order, grouped: each shareable tensor together with the ones
-    after it that continue it in its source file, and their bytes as one span (a kept
-    shard's data area is one span, shared whole); any other tensor alone, with None."""
+def spans(tensors: list[OutputTensor]) -> Iterator[Group]:
+    """``tensors`` in write order, grouped: each tensor whose bytes are one unchanged run
+    (one_run) together with the ones after it that continue it in its source file, whatever
+    their names, and their bytes as one span: one copy (or clone) for them all, so a kept
+    shard's data area moves whole; any other tensor alone, with None."""
     group: list[OutputTensor] = []
     for t in tensors:
-        if sharing is None or not sharing.may_share(t):
+        if not one_run(t):
             if group:
                 yield _joined(group)
                 group = []

@@ -122,10 +122,12 @@ class ShardWriter:
         write_all(out, shard.header)
         since_drop = 0
         with Writeback(out, self.progress, self.writeback_pool()) as progress:
-            for group, span in spans(shard.tensors, self.sharing):
+            for group, span in spans(shard.tensors):
                 self.started(group[0].name)
-                if span is not None:  # unchanged tensors that continue one another: one run
+                if span is not None and self.sharing is not None:  # unchanged tensors continuing one another
                     self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
+                elif span is not None:  # a stream (-o -): one copy all the same
+                    self.reader.copy(span, out, progress)
                 elif (t := group[0]).transform is not None:
                     for view in self.computed(t):
                         write_all(out, view)

@@ -1,0 +1,58 @@
+"""Issue #44: a checkpoint of many small tensors moves in few system calls: consecutive
+tensors whose bytes continue one another in the source and in the output are one copy,
+whatever the rename. Counted (calls, not seconds)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from helpers import read_all, save
+
+from streamck import Rules, compile_plan, open_checkpoint, write_plan
+from streamck.plan.rules import rules_from
+
+
+def _many(tmp_path, count=3000):
+    tensors = {f"model.layers.{i // 10}.t{i % 10}": np.full(16, i, np.float32) for i in range(count)}
+    return save(tmp_path / "src.safetensors", tensors), tensors
+
+
+def _writes(monkeypatch) -> list[int]:
+    """The sizes of every os.write, os.pwrite and os.copy_file_range the writer makes."""
+    calls: list[int] = []
+    for name in ("write", "pwrite", "copy_file_range"):
+        real = getattr(os, name)
+
+        def counted(*args, _real=real):
+            n = _real(*args)
+            calls.append(n)
+            return n
+
+        monkeypatch.setattr(os, name, counted)
+    return calls
+
+
+def test_a_renamed_copy_of_many_tensors_is_a_few_calls(tmp_path, monkeypatch):
+    src, tensors = _many(tmp_path)
+    plan = compile_plan(open_checkpoint(src), Rules(rules_from([{"strip_prefix": "model."}])))
+    calls = _writes(monkeypatch)
+    write_plan(plan, tmp_path / "out.safetensors")
+    monkeypatch.undo()
+    assert len(calls) <= 8, len(calls)  # the header and one run: was one write per tensor (3000+)
+    got = read_all(tmp_path / "out.safetensors")
+    assert sorted(got) == sorted(n.removeprefix("model.") for n in tensors)
+    assert all(np.array_equal(got[n.removeprefix("model.")], v) for n, v in tensors.items())
+
+
+def test_a_stream_of_many_tensors_is_a_few_calls(tmp_path, monkeypatch):
+    src, tensors = _many(tmp_path)
+    plan = compile_plan(open_checkpoint(src), Rules())
+    out = os.open(tmp_path / "out.safetensors", os.O_WRONLY | os.O_CREAT, 0o644)
+    monkeypatch.setattr("sys.stdout", os.fdopen(out, "w"))
+    calls = _writes(monkeypatch)
+    write_plan(plan, "-")
+    monkeypatch.undo()
+    assert len(calls) <= 8, len(calls)
+    got = read_all(tmp_path / "out.safetensors")
+    assert all(np.array_equal(got[n], v) for n, v in tensors.items())
