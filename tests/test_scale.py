@@ -56,3 +56,16 @@ def test_a_stream_of_many_tensors_is_a_few_calls(tmp_path, monkeypatch):
     assert len(calls) <= 8, len(calls)
     got = read_all(tmp_path / "out.safetensors")
     assert all(np.array_equal(got[n], v) for n, v in tensors.items())
+
+
+def test_each_output_tensor_size_is_computed_once(tmp_path, monkeypatch):
+    """OutputTensor.nbytes was recomputed ~6 times per tensor (layout, header, totals, progress)."""
+    import streamck.plan.compile as compile_module
+
+    src, tensors = _many(tmp_path)
+    calls = []
+    real = compile_module.nbytes
+    monkeypatch.setattr(compile_module, "nbytes", lambda *a: calls.append(1) or real(*a))
+    plan = compile_plan(open_checkpoint(src), Rules(rules_from([{"strip_prefix": "model."}])))
+    write_plan(plan, tmp_path / "out.safetensors", verify=True)
+    assert len(calls) == len(tensors)
