@@ -24,18 +24,21 @@ def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
-def _files(t, root: Path) -> str:
+def _files(t, root: Path, relative: dict[Path, str]) -> str:
+    """The file ``t`` lies in (and how many more), by its path under ``root`` (``relative``: known ones)."""
     if not t.paths:  # a tensor of no elements read as tiles lies in no file
         return "-"
-    first = os.path.relpath(t.path, root)
+    first = relative.get(t.path) or os.path.relpath(t.path, root)
     return first if len(t.paths) == 1 else f"{first} (+{len(t.paths) - 1} more)"
 
 
 def print_checkpoint(ckpt: Checkpoint, hint: str | None) -> None:
     """``ls``'s table of every tensor, its totals, and the plan a trainer's checkpoint needs."""
+    # One relpath per file, not per tensor: half of ``ls``'s time at 92k tensors (#44).
+    relative = {path: os.path.relpath(path, ckpt.root) for path in ckpt.files}
     rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
     rows += [
-        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), _files(t, ckpt.root))
+        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), _files(t, ckpt.root, relative))
         for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
     table(rows)

@@ -69,3 +69,15 @@ def test_each_output_tensor_size_is_computed_once(tmp_path, monkeypatch):
     plan = compile_plan(open_checkpoint(src), Rules(rules_from([{"strip_prefix": "model."}])))
     write_plan(plan, tmp_path / "out.safetensors", verify=True)
     assert len(calls) == len(tensors)
+
+
+def test_ls_takes_each_file_path_once(tmp_path, monkeypatch, capsys):
+    """``ls`` spent half its time in one os.path.relpath per tensor: one per file now."""
+    from streamck.cli import main
+
+    src, tensors = _many(tmp_path)
+    calls = []
+    real = os.path.relpath
+    monkeypatch.setattr(os.path, "relpath", lambda *a: calls.append(1) or real(*a))
+    assert main(["ls", str(src)]) == 0
+    assert len(calls) <= 2 and f"{len(tensors)} tensors in 1 file(s)" in capsys.readouterr().out
