@@ -142,6 +142,15 @@ def test_a_vocabulary_the_rows_cannot_hold_is_refused(trained, tmp_path):
     assert "args.vocab_size 300 exceeds args.padded_vocab_size 256" in _refused(run, tmp_path / "hf")
 
 
+def test_without_a_tokenizer_size_every_padded_row_is_kept(trained, tmp_path):
+    """A run with a Hugging Face tokenizer saves no args.vocab_size: the padded rows are all written,
+    said in a note, and --hf-config's vocab_size trims them."""
+    run = with_args(shutil.copytree(trained["pp2_tied"], tmp_path / "run"), vocab_size=None)
+    proc = cli("rewrite", run, "-o", tmp_path / "hf", "--plan", PLAN, check=0)
+    assert "all 256 padded rows written; --hf-config with the tokenizer's vocab_size trims them" in proc.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 256
+
+
 def test_args_saying_untied_without_a_head_is_refused(trained, tmp_path):
     """A last stage's head missing (the args untie it, no output_layer saved) is never written as tied."""
     run = tmp_path / "run"
