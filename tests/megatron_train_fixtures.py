@@ -243,9 +243,9 @@ def train(name: str, root: Path) -> None:
     _reset()
 
 
-def oracle(name: str, root: Path) -> None:
-    """RUNS[name] at TP=1/PP=1/EP=1: megatron-core's own load of the saved step, its fp32 forward."""
-    import torch
+def load_whole(name: str, root: Path):
+    """RUNS[name] at TP=1/PP=1/EP=1 on every rank: the model of its flags (each rank data parallel)
+    with megatron-core's own ``dist_checkpointing.load`` of the saved step in it."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -256,7 +256,7 @@ def oracle(name: str, root: Path) -> None:
     for parallel in ("--pipeline-model-parallel-size", "--tensor-model-parallel-size", "--expert-model-parallel-size"):
         if parallel in flags:
             flags[flags.index(parallel) + 1] = "1"
-    flags[flags.index("--global-batch-size") + 1] = "4"  # every rank data parallel now
+    flags += ["--global-batch-size", str(dist.get_world_size())]  # every rank data parallel now
     if "--decoder-first-pipeline-num-layers" in flags:
         at = flags.index("--decoder-first-pipeline-num-layers")
         del flags[at : at + 2]
@@ -270,10 +270,18 @@ def oracle(name: str, root: Path) -> None:
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step))
     missing = [k for k in model.load_state_dict(state["model"], strict=False).missing_keys if "_extra_state" not in k]
     assert not missing, missing
+    return model.eval()
+
+
+def oracle(name: str, root: Path) -> None:
+    """RUNS[name] loaded whole (load_whole), its fp32 forward on fixed tokens saved as ``oracle.pt``."""
+    import torch
+    import torch.distributed as dist
+
+    model = load_whole(name, root)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
     positions = torch.arange(SEQ).repeat(2, 1)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
-    model.eval()
     with torch.no_grad():
         logits = model(tokens, positions, mask)
     if dist.get_rank() == 0:
