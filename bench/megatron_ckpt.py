@@ -133,11 +133,12 @@ def fixed_tokens(vocab: int):
 
 
 def forward(model, tokens):
-    """GPTModel's logits for ``tokens`` [batch, SEQ]: positions 0..SEQ-1, a causal mask."""
+    """GPTModel's logits for ``tokens`` [batch, n]: positions 0..n-1, a causal mask."""
     import torch
 
-    positions = torch.arange(SEQ).repeat(tokens.shape[0], 1)
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    batch, n = tokens.shape
+    positions = torch.arange(n).repeat(batch, 1)
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
     return model(tokens, positions, mask)
 
 

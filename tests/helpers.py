@@ -159,17 +159,18 @@ MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(REPO / ".venv" / "megatr
 def megatron_checkpoints(
     request, tmp_path_factory, script: str, what: str, torchrun: bool | int = False
 ) -> dict[str, Path]:
-    """The checkpoints tests/``script`` writes with megatron-core's own code (and bench/megatron_ckpt.py's
-    stand-ins) into a folder per model, made once per version of that code and kept in pytest's cache
-    (``streamck-{what}``); megatron-core is put on the child's path only. Skipped where it is not
-    unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2 (of ``torchrun`` when a number),
-    else it starts its own."""
+    """The checkpoints tests/``script`` writes with megatron-core's own code (and the stand-ins and steps of
+    bench/megatron_ckpt.py and megatron_loop.py) into a folder per model, made once per version of that
+    code and kept in pytest's cache (``streamck-{what}``); megatron-core is put on the child's path only.
+    Skipped where it is not unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2
+    (of ``torchrun`` when a number), else it starts its own."""
     import hashlib
 
     import pytest
 
     here = REPO / "tests"
-    code = b"".join(p.read_bytes() for p in (here / script, REPO / "bench" / "megatron_ckpt.py"))
+    shared = [REPO / "bench" / name for name in ("megatron_ckpt.py", "megatron_loop.py", "standins.py")]
+    code = b"".join(p.read_bytes() for p in (here / script, *shared))
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir(f"streamck-{what}")) if cache is not None else tmp_path_factory.mktemp(what)
     base = root / f"{what}-{hashlib.sha256(code).hexdigest()[:12]}"
