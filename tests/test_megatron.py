@@ -229,6 +229,10 @@ def test_without_args_the_config_gives_the_sizes(tmp_path):
         ({"kv_channels": 15, "rotary_interleaved": True}, "args.rotary_interleaved with an odd head dim 15"),
         ({"hidden_size": 30, "kv_channels": None}, "args.hidden_size 30 is not divisible"),
         ({"num_layers": 3}, "has shape [2, 64], expected [3, 64] = [L, H]"),
+        # what transformers' Llama cannot hold (#42): refused, not written as a different model
+        ({"use_rope_scaling": True}, "args.use_rope_scaling is set: Llama 3.1 RoPE scaling"),
+        ({"rotary_percent": 0.5}, "args.rotary_percent is 0.5: --plan megatron-gpt converts models with 1.0"),
+        ({"layernorm_zero_centered_gamma": True}, "args.layernorm_zero_centered_gamma is set: zero-centred"),
     ],
 )
 def test_bad_args_are_refused_before_writing(megatron, tmp_path, changes, message):
