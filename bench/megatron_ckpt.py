@@ -14,6 +14,10 @@ Beside each: ``config.json`` (the Hugging Face config of the model, transformers
 ``full.safetensors`` (the checkpoint read back by ``dist_checkpointing.load`` into a TP=1
 model in one process: megatron-core's own reader, per-layer names).
 
+``save_step``, ``write_beside``, ``fixed_tokens`` and ``forward`` are the steps every megatron-core
+fixture script shares (tests/megatron_moe_fixtures.py, tests/megatron_dsv3_fixtures.py): a run laid
+out as the training loop lays it out, and the oracle's forward.
+
 Stand-ins, all outside checkpointing: ``triton`` at import (bench/standins.py),
 ``torch.cuda.synchronize`` (a no-op) and ``torch.cuda.current_device`` (``"cpu"``), which
 megatron-core's save path calls unconditionally, and ``torch.cuda.get_rng_state`` /
@@ -121,29 +125,60 @@ def hf_config(dims: tuple) -> dict:
     return config.to_dict()
 
 
-def _save(name: str, dims: tuple, root: Path, rank: int) -> None:
+def fixed_tokens(vocab: int):
+    """The token ids every oracle's forward reads: 2 sequences of SEQ, seeded."""
     import torch
+
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def forward(model, tokens):
+    """GPTModel's logits for ``tokens`` [batch, n]: positions 0..n-1, a causal mask."""
+    import torch
+
+    batch, n = tokens.shape
+    positions = torch.arange(n).repeat(batch, 1)
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+    return model(tokens, positions, mask)
+
+
+def save_step(model, saved_args: Namespace, run: Path, rank: int) -> None:
+    """``model``'s sharded state dict with ``saved_args`` and the iteration, saved by megatron-core's
+    ``dist_checkpointing.save`` into ``run/iter_NNNNNNN/`` beside the run's tracker file, as Megatron's
+    training loop lays a run out (every rank calls it)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    torch.manual_seed(0)
-    model = build(dims, WORLD)
-    step = root / name / f"iter_{ITERATION:07d}"
+    step = run / f"iter_{ITERATION:07d}"
     if rank == 0:
         step.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = {"model": model.sharded_state_dict(), "args": args(dims), "iteration": ITERATION,
+    state = {"model": model.sharded_state_dict(), "args": saved_args, "iteration": ITERATION,
              "checkpoint_version": 3.0}  # fmt: skip
     dist_checkpointing.save(state, str(step))
-    tokens = torch.randint(0, dims[6], (2, SEQ), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(SEQ).repeat(2, 1)
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        logits = model(tokens, positions, mask)
     if rank == 0:
-        (root / name / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-        (root / name / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
-        torch.save({"tokens": tokens, "logits": logits[..., : dims[6]]}, root / name / "oracle.pt")
+        (run / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def write_beside(run: Path, rank: int, config: dict, oracle: dict) -> None:
+    """On rank 0: the run's Hugging Face ``config.json`` and its ``oracle.pt``."""
+    import torch
+
+    if rank == 0:
+        (run / "config.json").write_text(json.dumps(config, indent=2))
+        torch.save(oracle, run / "oracle.pt")
+
+
+def _save(name: str, dims: tuple, root: Path, rank: int) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    model = build(dims, WORLD)
+    save_step(model, args(dims), root / name, rank)
+    tokens = fixed_tokens(dims[6])
+    with torch.no_grad():
+        logits = forward(model, tokens)
+    write_beside(root / name, rank, hf_config(dims), {"tokens": tokens, "logits": logits[..., : dims[6]]})
 
 
 def _worker(rank: int, root: str, store: str, models: dict) -> None:

@@ -521,16 +521,20 @@ def case_titan(a: argparse.Namespace, tmp: Path) -> str:
 
 @case
 def case_megatron(a: argparse.Namespace, tmp: Path) -> str:
-    """megatron-core 0.19.2 torch_dist (GPTModel, TP=2) -> Hugging Face: load the whole model vs --plan."""
-    dims = _trainer_run("megatron", tmp / "run", _params(a.size), MEGATRON)
-    run = tmp / "run" / "bench"
-    step = run / "iter_0000010"
+    """Megatron-LM's training loop (pretrain, torch_dist, PP=2) -> HF: megatron-core's load + save vs --plan."""
+    script, root = str(HERE / "megatron_train.py"), tmp / "run"
+    ranks = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script]
+    done = subprocess.run(_with_path(MEGATRON, [*ranks, "train", str(root), str(_params(a.size))]), capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"megatron training failed:\n{done.stderr[-4000:]}")
+    dims = json.loads((root / "dims.json").read_text())
+    run, step = root / "bench", root / "bench" / "iter_0000001"
     data = _dir_bytes(step)
-    ckpt = str(HERE / "trainer_ckpt.py")
     contenders = {
-        "cp -r + sync (iter_0000010)": cp_fsync(step),
+        "cp -r + sync (iter_0000001)": cp_fsync(step),
         "load whole model, split, save (Bridge route)": lambda o: _with_path(
-            MEGATRON, [PY, ckpt, "megatron_load", str(run), json.dumps(dims), str(o)]
+            MEGATRON, [PY, script, "load", str(root), json.dumps(dims), str(o)]
         ),
         "streamck --plan megatron-gpt": lambda o: streamck(
             "rewrite", str(run), "-o", str(o), "--plan", "megatron-gpt", "-q"
@@ -539,11 +543,12 @@ def case_megatron(a: argparse.Namespace, tmp: Path) -> str:
     runs = contend(contenders, tmp / "out", a.reps, a.settle, (step,))
     layers, dim, nh, nkv, _, hidden, vocab, padded, *_ = dims
     return (
-        f"Checkpoint: a GPTModel ({layers} layers, hidden {dim}, {nh} heads / {nkv} query groups, FFN {hidden}, "
-        f"vocab {vocab} padded to {padded}; F32) saved by megatron-core 0.19.2's `dist_checkpointing.save` "
-        f"(torch_dist, TP=2 on 2 gloo ranks): `iter_0000010` {data / 2**20:.0f} MiB. Output: the Hugging Face "
-        f"model (qkv split per group, gate/up split, vocab trimmed). {a.reps} interleaved reps, "
-        f"{a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync (iter_0000010)", data)
+        f"Checkpoint: a Llama-style GPT ({layers} layers, hidden {dim}, {nh} heads / {nkv} query groups, FFN "
+        f"{hidden}, vocab {vocab} padded to {padded}; F32) trained one Adam step by Megatron-LM's own `pretrain` "
+        f"(megatron-core 0.19.2's `megatron.training`, `--ckpt-format torch_dist`, PP=2 on 2 gloo ranks): "
+        f"`iter_0000001` {data / 2**20:.0f} MiB with the optimizer state. Output: the Hugging Face model (qkv split "
+        f"per group, gate/up split, vocab trimmed; the config from the run's args). {a.reps} interleaved reps, "
+        f"{a.settle:.0f} s settle.\n\n" + table(runs, "cp -r + sync (iter_0000001)", data)
     )
 
 

@@ -1,19 +1,17 @@
 """Bench checkpoints from the trainers' own code, and their own converters as anchors.
 
     python bench/trainer_ckpt.py titan ROOT PARAMS      # torchtitan 0.3.0 step (FSDP2, 2 gloo ranks)
-    python bench/trainer_ckpt.py megatron ROOT PARAMS   # megatron-core 0.19.2 torch_dist (TP=2)
     python bench/trainer_ckpt.py convert_to_hf STEP DIMS OUT    # torchtitan's convert_to_hf.py route
-    python bench/trainer_ckpt.py megatron_load RUN DIMS OUT     # load the whole model, split, save
 
-The checkpoints are written by bench/titan_ckpt.py and bench/megatron_ckpt.py (the trainers'
-own checkpointing code, which the tests' fixtures run too) at a size near PARAMS parameters (F32).
+The checkpoints are written by bench/titan_ckpt.py (the trainer's own checkpointing code, which the
+tests' fixtures run too) at a size near PARAMS parameters (F32); the Megatron one by
+bench/megatron_train.py (Megatron-LM's own training loop), at ``megatron_dims``.
 ``convert_to_hf`` does what torchtitan's scripts/checkpoint_conversion/convert_to_hf.py does:
 build the model, ``dcp.load`` the step into its state dict, the model's StateDictAdapter
 ``to_hf``, and ``dcp.save`` through torch's ``HuggingFaceStorageWriter`` with consolidation
 (one ``model.safetensors``; the script leaves its ``sharded/`` copy beside it).
-``megatron_load`` is the route Megatron-Bridge's export takes: the whole model loaded by
-megatron-core (``dist_checkpointing.load`` into a TP=1 GPTModel), q/k/v split per query
-group and gate/up from the loaded tensors, ``save_file``.
+``hf_state`` is the split Megatron-Bridge's export makes of megatron-core's whole TP=1 model:
+q/k/v per query group and gate/up from the loaded tensors (bench/megatron_train.py ``load``).
 """
 
 from __future__ import annotations
@@ -65,25 +63,10 @@ def convert_to_hf(step: Path, dims: tuple, out: Path) -> None:
         dcp.save(hf, storage_writer=writer, no_dist=True)
 
 
-def megatron_load(run: Path, dims: tuple, out: Path) -> None:
-    """megatron-core's own load of the whole model at TP=1, then the Bridge's split, then save_file."""
-    import megatron_ckpt as mf
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    mf._cuda_stand_ins()
-    mf._import_megatron()
-    from megatron.core import dist_checkpointing
-
-    store = out.parent / "store-load"
-    store.unlink(missing_ok=True)
-    dist.init_process_group("gloo", store=dist.FileStore(str(store), 1), rank=0, world_size=1)
-    mf._parallel(1)
+def hf_state(m: dict, dims: tuple) -> dict:
+    """The Hugging Face tensors of a TP=1 GPTModel's state dict ``m`` (the Bridge's split): q/k/v per
+    query group out of ``linear_qkv``, gate/up out of ``linear_fc1``, the vocabulary trimmed."""
     layers, hidden, heads, groups, kv, ffn, vocab, *_ = dims
-    model = mf.build(dims, 1)
-    step = run / f"iter_{mf.ITERATION:07d}"
-    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step))["model"])
-    m = model.state_dict()
     hpg = heads // groups
     sd = {
         "model.embed_tokens.weight": m["embedding.word_embeddings.weight"][:vocab],
@@ -102,10 +85,7 @@ def megatron_load(run: Path, dims: tuple, out: Path) -> None:
         sd[q + "mlp.down_proj.weight"] = m[p + "mlp.linear_fc2.weight"]
         sd[q + "input_layernorm.weight"] = m[p + "input_layernorm.weight"]
         sd[q + "post_attention_layernorm.weight"] = m[p + "pre_mlp_layernorm.weight"]
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
-    dist.destroy_process_group()
-    store.unlink(missing_ok=True)
+    return sd
 
 
 def main() -> None:
@@ -116,16 +96,8 @@ def main() -> None:
         dims = titan_dims(int(sys.argv[3]))
         titan_ckpt.save_steps(root, {"bench": dims})
         print(json.dumps(dims))
-    elif what == "megatron":
-        import megatron_ckpt
-
-        dims = megatron_dims(int(sys.argv[3]))
-        megatron_ckpt.save_runs(root, {"bench": dims}, read_back=False)
-        print(json.dumps(dims))
     elif what == "convert_to_hf":
         convert_to_hf(root, tuple(json.loads(sys.argv[3])), Path(sys.argv[4]))
-    elif what == "megatron_load":
-        megatron_load(root, tuple(json.loads(sys.argv[3])), Path(sys.argv[4]))
     else:
         raise SystemExit(__doc__)
 

@@ -156,17 +156,21 @@ def missing(what: str) -> None:
 MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(REPO / ".venv" / "megatron-core-0.19.2"))
 
 
-def megatron_checkpoints(request, tmp_path_factory, script: str, what: str, torchrun: bool = False) -> dict[str, Path]:
-    """The checkpoints tests/``script`` writes with megatron-core's own code (and bench/megatron_ckpt.py's
-    stand-ins) into a folder per model, made once per version of that code and kept in pytest's cache
-    (``streamck-{what}``); megatron-core is put on the child's path only. Skipped where it is not
-    unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2, else it starts its own."""
+def megatron_checkpoints(
+    request, tmp_path_factory, script: str, what: str, torchrun: bool | int = False
+) -> dict[str, Path]:
+    """The checkpoints tests/``script`` writes with megatron-core's own code (and the stand-ins and steps of
+    bench/megatron_ckpt.py and megatron_loop.py) into a folder per model, made once per version of that
+    code and kept in pytest's cache (``streamck-{what}``); megatron-core is put on the child's path only.
+    Skipped where it is not unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2
+    (of ``torchrun`` when a number), else it starts its own."""
     import hashlib
 
     import pytest
 
     here = REPO / "tests"
-    code = b"".join(p.read_bytes() for p in (here / script, REPO / "bench" / "megatron_ckpt.py"))
+    shared = [REPO / "bench" / name for name in ("megatron_ckpt.py", "megatron_loop.py", "standins.py")]
+    code = b"".join(p.read_bytes() for p in (here / script, *shared))
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir(f"streamck-{what}")) if cache is not None else tmp_path_factory.mktemp(what)
     base = root / f"{what}-{hashlib.sha256(code).hexdigest()[:12]}"
@@ -176,7 +180,8 @@ def megatron_checkpoints(request, tmp_path_factory, script: str, what: str, torc
     def build(tmp: Path) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([MEGATRON, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else []
+        world = str(2 if torchrun is True else torchrun)
+        ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", world] if torchrun else []
         command = ["timeout", "1200", sys.executable, *ranks, str(here / script), str(tmp)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1300)
         if done.returncode:

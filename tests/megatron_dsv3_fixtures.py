@@ -34,7 +34,6 @@ parallel cross entropy modifies a view of them in place under ``parallel_output=
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from argparse import Namespace
@@ -42,7 +41,16 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-from megatron_ckpt import ITERATION, SEQ, _cuda_stand_ins, _import_megatron  # noqa: E402
+from megatron_ckpt import (  # noqa: E402
+    ITERATION,
+    SEQ,
+    _cuda_stand_ins,
+    _import_megatron,
+    fixed_tokens,
+    forward,
+    save_step,
+    write_beside,
+)
 
 # Every model: hidden 32, 4 heads, kv_lora_rank 16, qk_head_dim (nope) 8, rope dim 4, v dim 8, dense
 # MLP 48, 4 routed experts of hidden 16, a shared expert of 16, top 2 scaled by 2.5, vocab 128.
@@ -165,14 +173,6 @@ def hf_config(dims: tuple) -> dict:
     return config.to_dict()
 
 
-def _forward(model, tokens):
-    import torch
-
-    positions = torch.arange(SEQ).repeat(tokens.shape[0], 1)
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
-    return model(tokens, positions, mask)
-
-
 def _train_step(model, config, tokens) -> None:
     """One step: the LM loss backward, SGD on the parameters (gradients of the replicated ones
     averaged over the ranks, as the DDP wrapper would), then megatron-core's expert-bias update."""
@@ -181,7 +181,7 @@ def _train_step(model, config, tokens) -> None:
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
     model.train()
-    logits = _forward(model, tokens)  # the LM loss on the gathered logits (parallel_output=False)
+    logits = forward(model, tokens)  # the LM loss on the gathered logits (parallel_output=False)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1))
     loss.backward()
     with torch.no_grad():
@@ -198,34 +198,23 @@ def _train_step(model, config, tokens) -> None:
 
 def _save(name: str, dims: tuple, root: Path, rank: int, world: int) -> None:
     import torch
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     torch.manual_seed(0)
     model = build(dims, world, te_names=name == "dsv3_te")
-    tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    tokens = fixed_tokens(V)
     _train_step(model, model.config, tokens)
     biases = [m.expert_bias for m in model.modules() if getattr(m, "expert_bias", None) is not None]
     assert biases and all(b.abs().sum() > 0 for b in biases), "the routing bias stayed zero"
-    step = root / name / f"iter_{ITERATION:07d}"
-    if rank == 0:
-        step.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    state = {"model": model.sharded_state_dict(), "args": args(dims, world), "iteration": ITERATION,
-             "checkpoint_version": 3.0}  # fmt: skip
-    dist_checkpointing.save(state, str(step))
+    save_step(model, args(dims, world), root / name, rank)
     with torch.no_grad():
-        logits = _forward(model, tokens)
+        logits = forward(model, tokens)
         kept = [b.clone() for b in biases]
         for b in biases:
             b.zero_()
-        unbiased = _forward(model, tokens)
+        unbiased = forward(model, tokens)
         for b, k in zip(biases, kept, strict=True):
             b.copy_(k)
-    if rank == 0:
-        (root / name / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-        (root / name / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
-        torch.save({"tokens": tokens, "logits": logits, "unbiased": unbiased}, root / name / "oracle.pt")
+    write_beside(root / name, rank, hf_config(dims), {"tokens": tokens, "logits": logits, "unbiased": unbiased})
 
 
 def _save_tp(root: Path, rank: int, world: int) -> None:
@@ -235,7 +224,6 @@ def _save_tp(root: Path, rank: int, world: int) -> None:
     torch norms refuse the CPU: no training step); its oracle is the forward of megatron-core's own
     load of it into a TP=1 model."""
     import torch
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -253,20 +241,13 @@ def _save_tp(root: Path, rank: int, world: int) -> None:
         with torch.no_grad():
             for k, router in enumerate(routers):
                 router.expert_bias.copy_(torch.linspace(-0.2, 0.2, E) * (k + 1))
-        if rank == 0:
-            step.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
         saved = args(dims, world)
         saved.tensor_model_parallel_size, saved.expert_model_parallel_size = world, 1
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": saved, "iteration": ITERATION,
-                                 "checkpoint_version": 3.0}, str(step))  # fmt: skip
-    tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))
+        save_step(model, saved, step.parent, rank)
+    tokens = fixed_tokens(V)
     with torch.no_grad():
-        logits = _forward(model.eval(), tokens)
-    if rank == 0:
-        (step.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-        (step.parent / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
-        torch.save({"tokens": tokens, "logits": logits}, step.parent / "oracle.pt")
+        logits = forward(model.eval(), tokens)
+    write_beside(step.parent, rank, hf_config(dims), {"tokens": tokens, "logits": logits})
 
 
 def main(root: Path) -> None:

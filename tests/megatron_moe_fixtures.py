@@ -26,7 +26,17 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-from megatron_ckpt import ITERATION, SEQ, WORLD, _cuda_stand_ins, _import_megatron  # noqa: E402
+from megatron_ckpt import (  # noqa: E402
+    ITERATION,
+    SEQ,
+    WORLD,
+    _cuda_stand_ins,
+    _import_megatron,
+    fixed_tokens,
+    forward,
+    save_step,
+    write_beside,
+)
 
 # name -> (q/k norms, HF family); every model: 2 layers, hidden 32, 4 heads, 2 groups, head dim 8,
 # 4 experts of hidden 24, top 2, vocab 128. Qwen2-MoE adds a qkv bias and a gated shared expert
@@ -121,27 +131,14 @@ def hf_config(qk: bool, family: str) -> dict:
 
 def _save(name: str, qk: bool, family: str, root: Path, rank: int) -> None:
     import torch
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     torch.manual_seed(0)
     model = build(qk, WORLD, family, te_names=name in TE_NAMES)
-    step = root / name / f"iter_{ITERATION:07d}"
-    if rank == 0:
-        step.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    state = {"model": model.sharded_state_dict(), "args": args(qk, family), "iteration": ITERATION,
-             "checkpoint_version": 3.0}  # fmt: skip
-    dist_checkpointing.save(state, str(step))
-    tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(SEQ).repeat(2, 1)
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    save_step(model, args(qk, family), root / name, rank)
+    tokens = fixed_tokens(V)
     with torch.no_grad():
-        logits = model(tokens, positions, mask)
-    if rank == 0:
-        (root / name / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-        (root / name / "config.json").write_text(json.dumps(hf_config(qk, family), indent=2))
-        torch.save({"tokens": tokens, "logits": logits}, root / name / "oracle.pt")
+        logits = forward(model, tokens)
+    write_beside(root / name, rank, hf_config(qk, family), {"tokens": tokens, "logits": logits})
 
 
 def _save_tp(root: Path, rank: int) -> None:
@@ -149,8 +146,7 @@ def _save_tp(root: Path, rank: int) -> None:
     rank's halves of gate and of up), saved as initialised (MoE with TP needs sequence
     parallelism, whose torch norms refuse the CPU: no forward here; _read_back's is the oracle)."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.destroy_model_parallel()
@@ -158,17 +154,11 @@ def _save_tp(root: Path, rank: int) -> None:
     model_parallel_cuda_manual_seed(123)
     torch.manual_seed(0)
     model = build(True, 1, "qwen3_moe", tp=WORLD)
-    step = root / "qwen3_moe_tp2" / f"iter_{ITERATION:07d}"
-    if rank == 0:
-        step.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
     saved = args(True, "qwen3_moe")
     saved.tensor_model_parallel_size, saved.expert_model_parallel_size = WORLD, 1
-    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": saved, "iteration": ITERATION,
-                             "checkpoint_version": 3.0}, str(step))  # fmt: skip
+    save_step(model, saved, root / "qwen3_moe_tp2", rank)
     if rank == 0:
-        (step.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-        (step.parent / "config.json").write_text(json.dumps(hf_config(True, "qwen3_moe"), indent=2))
+        (root / "qwen3_moe_tp2" / "config.json").write_text(json.dumps(hf_config(True, "qwen3_moe"), indent=2))
 
 
 def _read_back(rank: int, root: str, store: str) -> None:
@@ -191,11 +181,9 @@ def _read_back(rank: int, root: str, store: str) -> None:
         step = Path(root) / "qwen3_moe_tp2" / f"iter_{ITERATION:07d}"
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step))
         model.load_state_dict(loaded["model"])
-        tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(7))
-        positions = torch.arange(SEQ).repeat(2, 1)
-        mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+        tokens = fixed_tokens(V)
         with torch.no_grad():
-            logits = model(tokens, positions, mask)
+            logits = forward(model, tokens)
         torch.save({"tokens": tokens, "logits": logits}, step.parent / "oracle.pt")
     finally:
         dist.destroy_process_group()

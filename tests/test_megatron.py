@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import built_once, cli, missing, says_the_plan
+from megatron_args import with_args
 
 torch = pytest.importorskip("torch")
 
@@ -218,34 +219,6 @@ def test_without_args_the_config_gives_the_sizes(tmp_path):
     assert "model tensors do not match a GPTModel (1 layers)" in proc.stderr and "missing" in proc.stderr
 
 
-def _with_args(run: Path, **changes) -> Path:
-    """``run``'s iteration with its common_state item rewritten: the args megatron-core saved
-    (their plain values, as streamck reads them) with ``changes``, pickled as a Namespace
-    again and appended to the data file, the DCP metadata pointed at the new bytes."""
-    import argparse
-    import io
-    import pickle
-
-    from streamck.plan.megatron.args import read_args
-    from streamck.plan.megatron.plan import step_dir
-
-    step = step_dir(run)
-    args, iteration = read_args(step)
-    buffer = io.BytesIO()
-    torch.save({"args": argparse.Namespace(**{**args, **changes}), "iteration": iteration}, buffer)
-    meta = pickle.loads((step / ".metadata").read_bytes())
-    index = next(k for k in meta.storage_data if k.fqn.startswith("common_state/"))
-    info = meta.storage_data[index]
-    data = step / info.relative_path
-    offset = data.stat().st_size
-    with data.open("ab") as f:
-        f.write(buffer.getvalue())
-    meta.storage_data[index] = type(info)(info.relative_path, offset, len(buffer.getvalue()))
-    (step / ".metadata").write_bytes(pickle.dumps(meta))
-    (run / "config.json").unlink(missing_ok=True)  # the sizes from the args alone
-    return run
-
-
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -256,10 +229,14 @@ def _with_args(run: Path, **changes) -> Path:
         ({"kv_channels": 15, "rotary_interleaved": True}, "args.rotary_interleaved with an odd head dim 15"),
         ({"hidden_size": 30, "kv_channels": None}, "args.hidden_size 30 is not divisible"),
         ({"num_layers": 3}, "has shape [2, 64], expected [3, 64] = [L, H]"),
+        # what transformers' Llama cannot hold (#42): refused, not written as a different model
+        ({"use_rope_scaling": True}, "args.use_rope_scaling is set: Llama 3.1 RoPE scaling"),
+        ({"rotary_percent": 0.5}, "args.rotary_percent is 0.5: --plan megatron-gpt converts models with 1.0"),
+        ({"layernorm_zero_centered_gamma": True}, "args.layernorm_zero_centered_gamma is set: zero-centred"),
     ],
 )
 def test_bad_args_are_refused_before_writing(megatron, tmp_path, changes, message):
-    run = _with_args(_copy(megatron, tmp_path), **changes)
+    run = with_args(_copy(megatron, tmp_path), **changes)
     proc = cli("rewrite", run, "-o", tmp_path / "hf", "--plan", PLAN, check=2)
     assert message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and not (tmp_path / "hf").exists()
@@ -267,7 +244,7 @@ def test_bad_args_are_refused_before_writing(megatron, tmp_path, changes, messag
 
 def test_rewritten_args_still_convert(megatron, tmp_path):
     """The args rewriting above keeps a good checkpoint good (the refusals are the values')."""
-    run = _with_args(_copy(megatron, tmp_path))
+    run = with_args(_copy(megatron, tmp_path))
     cli("rewrite", run, "-o", tmp_path / "hf", "--plan", PLAN)
     assert (tmp_path / "hf" / "config.json").is_file()
 

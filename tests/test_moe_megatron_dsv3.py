@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import cli, megatron_checkpoints, says_the_plan
+from megatron_args import with_args
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -151,6 +152,15 @@ def test_missing_expert_rank_refused(megatron_dsv3, tmp_path):
     done = cli("rewrite", case, "-o", tmp_path / "out", "--plan", PLAN, check=2)
     assert len(done.stderr.strip().splitlines()) == 1 and "__1_0.distcp" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_fused_down_projections_refused_with_the_reason(megatron_dsv3, tmp_path):
+    """Issue #41: a run saved with --mla-down-proj-fusion (Transformer Engine's spec, so not on CPU: its
+    args as such a run records them) is refused saying why, not as an unexpected key."""
+    case = with_args(_case(megatron_dsv3["dsv3"], tmp_path), keep_config=True, mla_down_proj_fusion=True)
+    done = cli("rewrite", case, "-o", tmp_path / "out", "--plan", PLAN, check=2)
+    assert "args.mla_down_proj_fusion: the q and kv down-projections fused into one linear" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), done.stderr
 
 
 def test_ls_says_moe(megatron_dsv3):

@@ -88,7 +88,15 @@ TRAINING_STATE = ("optimizer.", "rng_state", "common_state")
 REFUSED_ARGS = {
     "attention_output_gate": "a gated attention output (its gate rows inside linear_qkv)",
     "add_bias_linear": "biases on every linear layer",
+    "layernorm_zero_centered_gamma": "zero-centred norm weights (applied as 1 + w)",
+    "apply_residual_connection_post_layernorm": "the residual taken after the norm",
+    "qk_l2_norm": "L2-normalised queries and keys",
+    "use_rope_scaling": "Llama 3.1 RoPE scaling",
 }
+# Megatron's args whose values Hugging Face's GPT families hold only at these (arg: the value needed).
+FIXED_ARGS = {"rotary_percent": 1.0, "rotary_seq_len_interpolation_factor": None}
+# Where Megatron-LM saves the norm epsilon: 0.19 parses --norm-epsilon into ``layernorm_epsilon``.
+NORM_EPSILON = ("norm_epsilon", "layernorm_epsilon")
 # The Hugging Face model for a GPTModel of these features (architecture, model_type).
 HF_MODELS = {"qk_layernorm": ("Qwen3ForCausalLM", "qwen3"), "add_qkv_bias": ("Qwen2ForCausalLM", "qwen2")}
 HF_DEFAULT = ("LlamaForCausalLM", "llama")
@@ -115,13 +123,16 @@ MOE_SHARED = (
 )  # fmt: skip
 # The MoE families a GPTModel converts to, by model_type: its features (each must match the
 # checkpoint's), the config keys of the experts' and the shared expert's hidden sizes, and
-# whether it renormalises the top-k routing weights (a bool, or the config key that says).
+# whether it renormalises the top-k routing weights (a bool, or the config key that says), and its
+# transformers class (the config written from the args alone names it).
 MOE_FAMILIES = {
     "qwen3_moe": {"q/k norms": True, "a qkv bias": False, "a shared expert": False, "a shared expert gate": False,
-                  "expert_size": "moe_intermediate_size", "shared_size": None, "renormalise": "norm_topk_prob"},
+                  "expert_size": "moe_intermediate_size", "shared_size": None, "renormalise": "norm_topk_prob",
+                  "architecture": "Qwen3MoeForCausalLM"},
     "qwen2_moe": {"q/k norms": False, "a qkv bias": True, "a shared expert": True, "a shared expert gate": True,
                   "expert_size": "moe_intermediate_size", "shared_size": "shared_expert_intermediate_size",
-                  "renormalise": "norm_topk_prob"},
+                  "renormalise": "norm_topk_prob", "architecture": "Qwen2MoeForCausalLM"},
     "mixtral": {"q/k norms": False, "a qkv bias": False, "a shared expert": False, "a shared expert gate": False,
-                "expert_size": "intermediate_size", "shared_size": None, "renormalise": True},
+                "expert_size": "intermediate_size", "shared_size": None, "renormalise": True,
+                "architecture": "MixtralForCausalLM"},
 }  # fmt: skip

@@ -21,12 +21,14 @@ from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
 from streamck.plan.contract import check_shape, compare_keys, load_config
+from streamck.plan.megatron.args import Common
 from streamck.plan.megatron.layout import HEAD, TOP
 from streamck.plan.megatron.mla_checks import check_args, config_sizes
 from streamck.plan.megatron.mla_layout import (
     ATTENTION,
     DENSE,
     EXPERTS,
+    FUSED,
     HALVES,
     HF_TYPE,
     MOE,
@@ -37,6 +39,7 @@ from streamck.plan.megatron.mla_layout import (
     QUERY_LORA,
     SYMBOLS,
 )
+from streamck.plan.megatron.state import state_note
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
 from streamck.source.select import Rows, select
@@ -45,9 +48,10 @@ PLAN = "megatron-gpt"
 PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 
 
-def mla_plan(ckpt: Checkpoint, step: Path, args: dict, keys: dict[str, TensorRef], hf_config: str | None,
-             rules: Rules, iteration: int | None) -> Plan:  # fmt: skip
+def mla_plan(ckpt: Checkpoint, step: Path, common: Common, keys: dict[str, TensorRef], hf_config: str | None,
+             rules: Rules) -> Plan:  # fmt: skip
     """The Hugging Face DeepseekV3 export of Megatron step ``step`` (its model tensors ``keys``)."""
+    args, iteration = common.args, common.iteration
     if not args:
         raise PlanError("a multi-latent-attention model needs the run's args (the common_state item) to check "
                         "its routing and RoPE against the config", step)  # fmt: skip
@@ -92,8 +96,7 @@ def mla_plan(ckpt: Checkpoint, step: Path, args: dict, keys: dict[str, TensorRef
         f"MoE: {sizes['E']} experts per layer, written per expert; router.expert_bias of {moe} layer(s) as "
         "mlp.gate.e_score_correction_bias",
     ]
-    state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
-    left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
+    left = state_note(common, [n for n in ckpt.tensors if n not in keys], len(outputs))
     return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
 
 
@@ -115,6 +118,10 @@ def _refuse(keys: dict[str, TensorRef], args: dict, where: Path) -> None:
     if args.get("qk_layernorm") is False:
         raise PlanError("args.qk_layernorm is off: Megatron's MLA then has no norm on its q / kv latents, which "
                         "HF DeepseekV3 applies (q_a_layernorm, kv_a_layernorm)", where)  # fmt: skip
+    for flag, fused, why in FUSED:
+        key = next((k for k in keys if k.endswith(fused)), None)
+        if args.get(flag) or key:
+            raise PlanError(f"{key or f'args.{flag}'}: {why}", where)
     for key in keys:
         suffix = PER_LAYER.sub("", key).removeprefix(PREFIX)
         if suffix in NO_PLACE:

@@ -83,6 +83,14 @@ NO_PLACE = {
     "mlp.shared_experts.gate_weight": "a gated shared expert (--moe-shared-expert-gate)",
     "mlp.router.bias": "a router bias",
 }
+# Megatron's fused forms of tensors HF DeepseekV3 keeps apart: the arg that fuses them, its key, and why
+# it is refused (Transformer Engine's spec under --mla-down-proj-fusion: q_a_proj's and kv_a_proj_with_mqa's
+# rows in one linear, the input norm fused into it).
+FUSED = (
+    ("mla_down_proj_fusion", "self_attention.linear_qkv_down_proj.weight",
+     "the q and kv down-projections fused into one linear (--mla-down-proj-fusion), which --plan megatron-gpt "
+     "does not split into q_a_proj and kv_a_proj_with_mqa: save without --mla-down-proj-fusion"),
+)  # fmt: skip
 PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp."
 HF_TYPE = "deepseek_v3"

@@ -36,8 +36,9 @@ def moe_sizes(args: dict, config: dict | None, config_path: Path | None, found: 
     """E, Im (and S with a shared expert) from Megatron's args, the config's family checked
     against them and against the checkpoint's features (``found``: q/k norms, qkv bias, a
     shared expert and its gate): an MoE checkpoint needs ``--hf-config`` naming the family."""
-    if config is None or config_path is None:
+    if config is None:
         raise PlanError(f"an MoE model: give --hf-config with its model_type ({', '.join(MOE_FAMILIES)})", where)
+    config_path = config_path or where
     kind = config.get("model_type")
     if kind not in MOE_FAMILIES:
         raise PlanError(f"model_type {kind!r}: MoE checkpoints convert to {', '.join(MOE_FAMILIES)}", config_path)
@@ -59,6 +60,30 @@ def moe_sizes(args: dict, config: dict | None, config_path: Path | None, found: 
             raise PlanError(f"{NAMES[s]}: the config says {stated[s]}, the checkpoint's args {value}", config_path)
     _same_routing(args, config, fam, config_path)
     return sizes
+
+
+def moe_config(args: dict, dense: dict, found: dict, where: Path) -> dict:
+    """The Hugging Face config of an MoE run from its args alone (no --hf-config): the family of
+    MOE_FAMILIES whose features are the checkpoint's (``found``) and that weighs the top k as
+    Megatron did (renormalised unless ``moe_router_pre_softmax``), on ``dense`` (the dense config
+    built from the same args)."""
+    renorm = not args.get("moe_router_pre_softmax")
+    kind = next((k for k, fam in MOE_FAMILIES.items() if all(fam[f] == has for f, has in found.items())
+                 and fam["renormalise"] in (renorm, "norm_topk_prob")), None)  # fmt: skip
+    if kind is None:
+        have = ", ".join(f for f, has in found.items() if has) or "no q/k norms, qkv bias or shared expert"
+        raise PlanError(f"no Hugging Face MoE family has this model's features ({have}): give --hf-config", where)
+    fam = MOE_FAMILIES[kind]
+    config = {k: v for k, v in dense.items() if k != "attention_bias"}
+    config |= {"architectures": [fam["architecture"]], "model_type": kind}
+    config["num_experts_per_tok"] = args.get("moe_router_topk")
+    config[fam["expert_size"]] = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
+    config["num_local_experts" if kind == "mixtral" else "num_experts"] = args.get("num_experts")
+    if isinstance(fam["renormalise"], str):
+        config[fam["renormalise"]] = renorm
+    if fam["shared_size"]:
+        config[fam["shared_size"]] = args.get("moe_shared_expert_intermediate_size")
+    return config
 
 
 def _same_routing(args: dict, config: dict, fam: dict, config_path: Path) -> None:

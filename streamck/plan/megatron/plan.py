@@ -26,9 +26,11 @@ from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
 from streamck.plan.contract import compare_keys, load_config, only_casts
-from streamck.plan.megatron.args import read_args
+from streamck.plan.megatron.args import read_common
+from streamck.plan.megatron.config import args_config, norm_epsilon
 from streamck.plan.megatron.layout import (
     DENSE_MLP,
+    FIXED_ARGS,
     HEAD,
     HF_DEFAULT,
     HF_MODELS,
@@ -47,14 +49,16 @@ from streamck.plan.megatron.layout import (
     TRAINING_STATE,
 )
 from streamck.plan.megatron.mla import mla_plan
-from streamck.plan.megatron.moe import moe_outputs, moe_sizes
+from streamck.plan.megatron.moe import moe_config, moe_outputs, moe_sizes
+from streamck.plan.megatron.state import state_note
 from streamck.plan.megatron.verl import find_actor, left_out, tokenizer_files, verl_config
 from streamck.plan.rules import Rules
 from streamck.source import TensorRef, open_checkpoint
 from streamck.source.select import Rows, select
 
 PLAN = "megatron-gpt"
-MLA_KEY = "self_attention.linear_kv_down_proj.weight"  # multi-latent attention (--plan's DeepSeek-V3)
+# multi-latent attention (--plan's DeepSeek-V3), its down-projections apart or fused (mla_layout.FUSED)
+MLA_KEYS = ("self_attention.linear_kv_down_proj.weight", "self_attention.linear_qkv_down_proj.weight")
 # Args whose values must equal the Hugging Face config's, by shape symbol.
 CROSS_CHECKED = ("L", "H", "nh", "nkv", "d", "I")
 # The arg behind each shape symbol, named when its value is refused.
@@ -140,7 +144,7 @@ def _from_config(config: dict, keys: dict[str, TensorRef], where: Path) -> dict[
     return {**sizes, "Vp": embed.shape[0] if embed is not None and embed.shape else sizes["V"]}
 
 
-def _agree(from_args: dict[str, int], config: dict, config_path: Path, moe: bool = False) -> dict[str, int]:
+def _agree(from_args: dict[str, int], config: dict, config_path: Path, args: dict, moe: bool = False) -> dict[str, int]:
     """The config's sizes where they equal the args'; a disagreement is refused (an MoE
     family's ``intermediate_size`` is its dense MLP's or its experts': moe_sizes checks those)."""
     mine = hf_export.sizes(config, config_path)
@@ -150,13 +154,30 @@ def _agree(from_args: dict[str, int], config: dict, config_path: Path, moe: bool
             raise PlanError(f"{key} is {mine[s]}, the checkpoint's args say {from_args[s]}", config_path)
     if mine["V"] > from_args["Vp"]:
         raise PlanError(f"vocab_size {mine['V']} exceeds the checkpoint's {from_args['Vp']} rows", config_path)
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+    for key, says, want in (("rms_norm_eps", config.get("rms_norm_eps"), norm_epsilon(args)),
+                            ("rope_theta", theta, args.get("rotary_base"))):  # fmt: skip
+        if says is not None and want is not None and says != want:
+            raise PlanError(f"{key} is {says}, the checkpoint's args say {want}", config_path)
     return {**from_args, "V": mine["V"]}
+
+
+def _same_tying(args: dict, tied: bool, where: Path) -> None:
+    """The args tie the head exactly when the checkpoint holds no ``output_layer`` (a head lost with
+    the last pipeline stage's file is refused, never written as tied)."""
+    untie = args.get("untie_embeddings_and_output_weights")
+    if untie is not None and bool(untie) == tied:
+        has = "has no" if tied else "has its"
+        raise PlanError(f"args.untie_embeddings_and_output_weights is {untie}, the checkpoint {has} {HEAD[1]}", where)
 
 
 def _refuse_features(args: dict, keys: dict, where: Path) -> None:
     for flag, what in REFUSED_ARGS.items():
         if args.get(flag):
             raise PlanError(f"args.{flag} is set: {what}, which --plan {PLAN} does not convert", where)
+    for flag, want in FIXED_ARGS.items():
+        if args.get(flag, want) != want:
+            raise PlanError(f"args.{flag} is {args[flag]!r}: --plan {PLAN} converts models with {want!r}", where)
     if any(".mixer." in k or k.startswith("decoder.layers.mamba") for k in keys):
         raise PlanError(f"a HybridModel (mixer blocks): --plan {PLAN} converts GPTModel checkpoints", where)
     checks = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope"}
@@ -198,15 +219,16 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
             raise PlanError(f"a verl Megatron actor saved without 'hf_model' in save_contents has no {verl.hf.name}/"
                             "config.json: give --hf-config (the base model's config.json)", verl.actor)  # fmt: skip
     step = step_dir(verl.dist if verl else Path(path))
-    args, iteration = read_args(step)
+    common = read_common(step)
+    args, iteration = common.args, common.iteration
     ckpt = open_checkpoint(step)
     keys = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
     _refuse_features(args, keys, step)
-    if args.get("multi_latent_attention") or any(k.endswith(MLA_KEY) for k in keys):
+    if args.get("multi_latent_attention") or any(k.endswith(MLA_KEYS) for k in keys):
         if verl is not None:
             raise PlanError("a verl Megatron actor with multi-latent attention (DeepSeek-V3): verl saves no Megatron "
                             "args, which this conversion checks routing and RoPE against", verl.actor)  # fmt: skip
-        return mla_plan(ckpt, step, args, keys, hf_config, rules, iteration)
+        return mla_plan(ckpt, step, common, keys, hf_config, rules)
     moe = MOE_FC1[0] in keys or bool(args.get("num_experts"))
     sizes, config, config_path = _sizes_and_config(step, args, keys, hf_config, moe)
     bias, norms, tied = QKV_BIAS[0][1] in keys, QK_NORM[0][1] in keys, HEAD[1] not in keys
@@ -214,15 +236,18 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     table = [r for r in table if not (moe and r[1] in DENSE_MLP)]  # MoE layers: experts instead
     if moe and MOE_PRE_MLP_NORM in keys:  # Transformer Engine's name for it
         table = [(hf, MOE_PRE_MLP_NORM if key == POST_ATTN_NORM else key, k, e) for hf, key, k, e in table]
+    _same_tying(args, tied, step)
     if moe:
         found = {"q/k norms": norms, "a qkv bias": bias, "a shared expert": MOE_SHARED[0][1] in keys}
         found["a shared expert gate"] = MOE_SHARED[3][1] in keys
+        if config is None and args:  # the family from the checkpoint's features and routing
+            config = moe_config(args, args_config(args, sizes, bias, norms, tied), found, step)
         sizes |= moe_sizes(args, config, config_path, found, step)
     expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
     expected |= {MOE_ROUTER[0], MOE_FC1[0], MOE_FC2[0], *(r[1] for r in MOE_SHARED if r[1] in keys)} if moe else set()
     compare_keys(expected, keys, f"model tensors do not match a GPTModel ({sizes['L']} layers)", step)
     if config is None:
-        config = _hf_config(args, sizes, bias, norms, tied)
+        config = args_config(args, sizes, bias, norms, tied)
     elif not moe:
         _config_fits(config, bias, norms, tied, config_path)
     elif bool(config.get("tie_word_embeddings")) != tied:
@@ -240,9 +265,11 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
         + features,
         f"step: {step}; sizes from {' and '.join(sources)}",
     ]
-    state = sorted({n.split("/")[0].split(".")[0] for n in ckpt.tensors if n not in keys})
-    left = f"{len(outputs)} model tensors to write" + (f"; left out: {', '.join(state)}" if state else "")
+    left = state_note(common, [n for n in ckpt.tensors if n not in keys], len(outputs))
     plan = hf_export.assemble(ckpt, outputs, rules, config, summary, left)
+    if args and config_path is None and not args.get("vocab_size"):  # a Hugging Face tokenizer's run
+        plan.source.notices.append(f"the args name no tokenizer vocabulary (args.vocab_size unset): all {sizes['Vp']} "
+                                   "padded rows written; --hf-config with the tokenizer's vocab_size trims them")
     if verl is not None:
         plan.side_files = {**tokenizer_files(verl), **plan.side_files}
         plan.source.notices.append(left_out(verl))
@@ -259,7 +286,7 @@ def _sizes_and_config(
     config = load_config(config_path) if config_path else None
     if args:
         sizes = _sizes(args, keys, step)
-        sizes = _agree(sizes, config, config_path, moe) if config is not None else sizes
+        sizes = _agree(sizes, config, config_path, args, moe) if config is not None else sizes
     else:
         sizes = _from_config(config, keys, config_path)
     sizes["QKV"] = (sizes["nh"] + 2 * sizes["nkv"]) * sizes["d"]
@@ -299,30 +326,3 @@ def _select(ref: TensorRef, order: Rows | None, index: int | None, name: str, wh
         return select(ref, order, index=index, name=name)
     except ValueError as e:
         raise PlanError(f"{name} from {e}: the checkpoint's args do not fit its tensors", where) from None
-
-
-def _hf_config(args: dict, s: dict[str, int], bias: bool, norms: bool, tied: bool) -> dict:
-    """The Hugging Face config of the model, from Megatron's args (no --hf-config given)."""
-    arch, model_type = next((HF_MODELS[k] for k, on in (("qk_layernorm", norms), ("add_qkv_bias", bias)) if on),
-                            HF_DEFAULT)  # fmt: skip
-    theta = args.get("rotary_base", 10000)
-    config = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "hidden_size": s["H"],
-        "intermediate_size": s["I"],
-        "num_attention_heads": s["nh"],
-        "num_key_value_heads": s["nkv"],
-        "head_dim": s["d"],
-        "num_hidden_layers": s["L"],
-        "vocab_size": s["V"],
-        "hidden_act": "silu",
-        "rms_norm_eps": args.get("norm_epsilon", 1e-5),
-        "max_position_embeddings": args.get("max_position_embeddings") or args.get("seq_length") or 4096,
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "tie_word_embeddings": tied,
-    }
-    if model_type == "llama":
-        config["attention_bias"] = bias
-    return config
