@@ -917,8 +917,9 @@ DEFAULT_SIZE = {
     "clone": "2GiB,16GiB",
     "titan": "156MiB",
     "megatron": "156MiB",
+    "lora": "1GiB",
+    "verl": "1GiB",
 }
-DEFAULT_SIZE = {"dcp": "2GiB", "zero": "1GiB", "jobs": "2GiB", "lora": "1GiB", "verl": "1GiB"}
 
 
 def main() -> None:
