@@ -47,3 +47,27 @@ def test_fuse_refuses_compressed_tensors_experts(quant, tmp_path):  # noqa: F811
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "weight_scale" in lines[0] and "--dtype" in lines[0] and not out.exists()
+
+
+def test_fuse_refuses_scales_whose_tiles_straddle_gate_and_up(native, tmp_path):  # noqa: F811
+    """Experts whose intermediate size (here cut to 96 rows) is no multiple of the 128-row tile: gate's
+    last tile and up's first would share a fused tile, so the scales cannot be fused; refused, not written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, out = tmp_path / "i96", tmp_path / "out"
+    shutil.copytree(native / "moe-fp8", folder)
+    for index in folder.glob("*.index.json"):
+        index.unlink()
+    (path,) = folder.glob("*.safetensors")
+    cut = {k: v[:96].contiguous() if k.endswith(("gate_proj.weight", "up_proj.weight")) and ".experts." in k
+           else v[:, :96].contiguous() if k.endswith("down_proj.weight") and ".experts." in k else v
+           for k, v in load_file(path).items()}  # fmt: skip
+    save_file(cut, path)
+    proc = cli("rewrite", folder, "-o", out, "--fuse-experts")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "96 rows" in lines[0] and "128-row" in lines[0] and not out.exists()
+    cli("rewrite", folder, "-o", tmp_path / "deq", "--dtype", "bf16", check=0)  # dequantized, it fuses
+    cli("rewrite", tmp_path / "deq", "-o", out, "--fuse-experts", check=0)
