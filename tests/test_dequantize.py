@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from dequant_fixtures import TORCH, dequantized, same
 from helpers import cli
-from quant_fixtures import quant, run_oracle  # noqa: F401  (a session fixture)
+from quant_fixtures import quant  # noqa: F401  (a session fixture)
 from test_quantize import tensors
 
 pytest.importorskip("torch")
 
-TORCH = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 # (source folder, --dtype): a DeepSeek-layout FP8 model, and model_free_ptq's FP8_BLOCK (lm_head
 # ignored: transformers loads a quantized embedding without its scale, so ct-FP8_DYNAMIC ignores it)
 CASES = [("ds-fp8", "bf16"), ("ds-fp8", "f32"), ("ct-FP8_DYNAMIC", "bf16"), ("ct-FP8_DYNAMIC", "f16"),
@@ -24,12 +24,10 @@ CASES = [("ds-fp8", "bf16"), ("ds-fp8", "f32"), ("ct-FP8_DYNAMIC", "bf16"), ("ct
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_same_as_transformers(quant, tmp_path, case):  # noqa: F811
     src, dtype = case
-    cli("rewrite", quant / src, "-o", tmp_path / "out", "--dtype", dtype, check=0)
-    run_oracle("load", quant / src, TORCH[dtype], tmp_path / "oracle.safetensors")
-    ours = tensors(tmp_path / "out")
-    oracle = {k: v for k, v in tensors(tmp_path).items() if not k.endswith("weight_scale")}  # kept beside, unused
+    ours, oracle = dequantized(quant / src, dtype, tmp_path, "load")
+    oracle = {k: v for k, v in oracle.items() if not k.endswith("weight_scale")}  # kept beside, unused
     assert sorted(ours) == sorted(oracle)
-    differ = [n for n in ours if ours[n] != oracle[n]]
+    differ = [n for n in ours if not same(ours[n], oracle[n])]
     assert not differ, f"{len(differ)} of {len(ours)} differ: {differ[:5]}"
     config = json.loads((tmp_path / "out" / "config.json").read_bytes())
     assert "quantization_config" not in config and config["dtype"] == TORCH[dtype]

@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from dequant_fixtures import TORCH, dequantized, peak_mib
+from dequant_fixtures import same as _same
 from helpers import cli, save
 from quant_fixtures import quant, run_oracle  # noqa: F401  (a session fixture)
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
 
-TORCH = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 CASES = [("llama-NVFP4A16", "bf16"), ("llama-NVFP4A16", "f32"), ("llama-MXFP4A16", "f16"),
          ("qwen3moe-NVFP4A16", "bf16"), ("qwen3moe-MXFP4A16", "f32")]  # fmt: skip
 # Quantized by model_free_ptq (every 2-D weight) but not loaded by transformers: its compressed-tensors
@@ -28,27 +28,16 @@ CASES = [("llama-NVFP4A16", "bf16"), ("llama-NVFP4A16", "f32"), ("llama-MXFP4A16
 NOT_LINEAR = re.compile(r"model\.embed_tokens\.weight$|.*\.mlp\.gate\.weight$")
 
 
-def _bits(t):
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def _same(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_same_as_compressed_tensors_and_transformers(quant, tmp_path, case):  # noqa: F811
     src, dtype = case
-    cli("rewrite", quant / src, "-o", tmp_path / "out", "--dtype", dtype, "--verify", check=0)
-    ours = load_file(tmp_path / "out" / "model.safetensors")
+    ours, ct = dequantized(quant / src, dtype, tmp_path, "decompress")
     stored = {k for f in (quant / src).glob("*.safetensors") for k in load_file(f)}
     modules = {k.rpartition(".")[0] for k in stored if k.endswith(".weight_packed")}
     want = {k for k in stored if k.rpartition(".")[0] not in modules} | {f"{m}.weight" for m in modules}
     assert sorted(ours) == sorted(want)
     assert {t.dtype for t in ours.values()} == {getattr(torch, TORCH[dtype])}
 
-    run_oracle("decompress", quant / src, TORCH[dtype], tmp_path / "ct.safetensors")
-    ct = load_file(tmp_path / "ct.safetensors")
     assert sorted(ct) == sorted(f"{m}.weight" for m in modules)
     assert [n for n in ct if not _same(ours[n], ct[n])] == []
 
@@ -138,22 +127,6 @@ def test_refusals(tmp_path):
     cli("rewrite", shape, "-o", out, check=0)  # without --dtype: copied as it is
 
 
-CHILD = """
-import sys
-import torch
-if sys.argv[1] != "baseline":
-    from streamck import rewrite
-    rewrite(sys.argv[1], sys.argv[2], dtype="f32")
-print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
-"""
-
-
-def _peak(*args: str) -> float:
-    child = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True)
-    assert child.returncode == 0, child.stderr
-    return int(child.stdout.split()[-1]) / 1024
-
-
 @pytest.mark.parametrize("kind", ["nv", "mx"])
 def test_memory_is_a_band_not_a_tensor(tmp_path, kind):
     """A 3072 × 16384 packed weight (24 MiB packed, 192 MiB in float32): the peak stays within 64 MiB
@@ -173,8 +146,8 @@ def test_memory_is_a_band_not_a_tensor(tmp_path, kind):
     src = tmp_path / "m.safetensors"
     save_file(tensors, src)
     del packed, tensors
-    torch_only = _peak("baseline")
-    peak = _peak(str(src), str(tmp_path / "out.safetensors"))
+    torch_only = peak_mib("baseline")
+    peak = peak_mib(str(src), str(tmp_path / "out.safetensors"), "f32")
     assert peak - torch_only < 64, (torch_only, peak)
     with open(tmp_path / "out.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))

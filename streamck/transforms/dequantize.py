@@ -1,12 +1,15 @@
 """Quantized weights back to floats, as transformers 5.19 and compressed-tensors 0.19 load them,
 band by band.
 
-- ``fp8`` (DeepSeek-V3 layout: ``weight`` E4M3 + ``weight_scale_inv`` per 128×128 block, the
-  config's ``quant_method: fp8``): transformers' ``Fp8Dequantize`` (FineGrainedFP8Config with
-  ``dequantize=True``) multiplies in float32, ``f32(q) * f32(s)``, and rounds once to the
-  model's dtype.
-- ``compressed-tensors`` (``weight`` E4M3 + ``weight_scale`` per row, per tensor or per block):
-  transformers loads the scale into the model's dtype first, then compressed-tensors'
+- ``fp8`` (FineGrainedFP8, DeepSeek-V3's layout: ``weight`` E4M3 + ``weight_scale_inv`` F32, BF16
+  or E8M0 (``scale_fmt: ue8m0``) per ``weight_block_size`` tile, the config's ``quant_method:
+  fp8``): transformers' ``Fp8Dequantize`` (FineGrainedFP8Config with ``dequantize=True``)
+  multiplies in float32, ``f32(q) * f32(s)``, and rounds once to the model's dtype. Each tile is
+  multiplied by its own scale, a partial last tile included (the block math; transformers 5.19
+  infers the tile as rows ÷ scale rows, which is the same wherever the tiles are whole). Fused
+  experts [E, rows, cols] have a scale grid per expert ([E, ⌈rows/128⌉, ⌈cols/128⌉]).
+- ``compressed-tensors`` (``weight`` E4M3 + ``weight_scale`` per row, per tensor, per group or per
+  block): transformers loads the scale into the model's dtype first, then compressed-tensors'
   decompressor multiplies in the scale's dtype: ``d(q) * d(s)`` rounded to ``d``, the output
   dtype (so a float32 output is not the bf16 product widened).
 
@@ -19,33 +22,61 @@ band by band.
   ``weight_global_scale`` F32 [1]): ``bf16(f32(v) * (f32(bf16(s)) / gs))``, the division and
   the product each rounded to float32 (bfloat16 over a float32 tensor promotes). MXFP4
   (``weight_scale`` U8 E8M0 per 32 values): ``bf16(v) * bf16(2 ** bf16(e - 127))`` in bfloat16.
+  (gpt-oss's own MXFP4 experts: streamck.transforms.dequantize_gptoss.)
 
 Each product is elementwise, so a band of rows gives the whole tensor's bits, and on a CUDA
 device (``--device``) the same operations give the same bits (each band computed there and
-copied back). Memory: the
-scale tensor (one value per block or row; FP4's group scales a band at a time) and one band of
-rows in float32, a few times over.
+copied back). Memory: the scale tensor (one value per tile or row; FP4's group scales a band at a
+time) and one band of about FP8_VALUES / FP4_VALUES values, ~11 bytes a value.
 """
 
 from __future__ import annotations
 
+import math as _math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from streamck.dtypes import TORCH_NAMES
+from streamck.dtypes import TORCH, TORCH_NAMES
 from streamck.errors import OutputError
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
 from streamck.transforms.base import device_of
 from streamck.transforms.fp4 import GROUP
-from streamck.transforms.quantize import BAND_BYTES, host_bytes
+from streamck.transforms.quantize import host_bytes
+
+# A band of FP8 weights: this many values (float32 weights and gathered scales, ~11 bytes each).
+FP8_VALUES = 1 << 19
+
+
+def row_bands(reader: Reader, ref: TensorRef, rows: int, row_bytes: int, step: int, device: str = "cpu"):
+    """``ref``'s bytes as ``rows`` rows of ``row_bytes``, read in order ``step`` rows at a time:
+    (start, end, uint8 tensor [end - start, row_bytes] on ``device``). OutputError where it ends early."""
+    import torch
+
+    stream = reader.stream(ref)
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        buf = bytearray((end - start) * row_bytes)
+        if stream.readinto(memoryview(buf)) != len(buf):
+            raise OutputError(f"{ref.name} ended early", ref.path)
+        band = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        yield start, end, band.reshape(end - start, row_bytes).to(device)
+
+
+def whole(reader: Reader, ref: TensorRef):
+    """All of a (small) scale tensor, in its own dtype."""
+    import torch
+
+    (_, _, band), *_ = row_bands(reader, ref, 1, ref.nbytes, 1)
+    return band.view(getattr(torch, TORCH[ref.dtype][0])).reshape(ref.shape)  # E8M0 scales too: not castable
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8Dequant:
-    """An E4M3 weight times its ``scale`` (one per ``block`` of rows × columns; a scale of shape
-    [rows, 1] or [1] broadcasts), in float32 then cast to the output dtype (``kind`` "fp8"), or
-    in the output dtype ("compressed-tensors")."""
+    """An E4M3 weight [rows, cols] (or fused experts [E, rows, cols]) times its ``scale``: one per
+    ``block`` of rows × columns, a partial last tile too (a grid [(E,) ⌈rows/bh⌉, ⌈cols/bw⌉]; per
+    row [rows, 1] with block (1, 1); one value [1] or [1, 1] for the tensor), in float32 then cast to
+    the output dtype (``kind`` "fp8"), or in the output dtype ("compressed-tensors")."""
 
     scale: TensorRef
     kind: str
@@ -64,49 +95,30 @@ class Fp8Dequant:
         return source
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
-        """The dequantized weight's bytes, one band of whole block rows at a time."""
+        """The dequantized weight's bytes, a band of rows at a time, each row's scales gathered
+        from the grid for that band only."""
         import torch
 
         ref, (bh, bw) = target.source, self.block
-        rows, cols = ref.shape
+        *lead, rows, cols = ref.shape
+        total = _math.prod(lead) * rows
         out = getattr(torch, TORCH_NAMES[target.dtype])
         math = torch.float32 if self.kind == "fp8" else out
         device = device_of(space)
-        scales = _whole(reader, self.scale).to(device).to(math)
-        if scales.dim() == 2 and (scales.shape[0] > 1 or bh > 1):  # a grid (or per-row scales)
-            scales = scales.repeat_interleave(bw, dim=1)[:, :cols] if bw > 1 else scales
-        step = max(bh, BAND_BYTES // max(cols * 4, 1) // bh * bh)
-        stream = reader.stream(ref)
-        for start in range(0, rows, step):
-            end = min(start + step, rows)
-            buf = bytearray((end - start) * cols)
-            if stream.readinto(memoryview(buf)) != len(buf):
-                raise OutputError(f"{ref.name} ended early", ref.path)
-            q = torch.frombuffer(buf, dtype=torch.float8_e4m3fn).reshape(end - start, cols).to(device).to(math)
-            s = _rows_of(scales, start, end, bh)
-            yield host_bytes((q * s).to(out))
-
-
-def _rows_of(scales, start: int, end: int, bh: int):
-    """The scales of rows [start, end): a grid's block rows repeated, per-row scales sliced,
-    a single scale as it is."""
-    if scales.dim() < 2 or (scales.shape[0] == 1 and bh == 1):
-        return scales
-    if bh == 1:
-        return scales[start:end]
-    first = start // bh
-    band = scales[first : -(-end // bh)].repeat_interleave(bh, dim=0)
-    return band[start - first * bh : end - first * bh]
-
-
-def _whole(reader: Reader, ref: TensorRef):
-    """All of a (small) scale tensor."""
-    import torch
-
-    buf = bytearray(ref.nbytes)
-    if reader.stream(ref).readinto(memoryview(buf)) != ref.nbytes:
-        raise OutputError(f"{ref.name} ended early", ref.path)
-    return torch.frombuffer(buf, dtype=getattr(torch, TORCH_NAMES[ref.dtype])).reshape(ref.shape)
+        scales = whole(reader, self.scale).to(device).to(math)
+        single = scales.numel() == 1
+        grid = scales.reshape(-1, scales.shape[-1]) if not single else scales.reshape(())
+        per_expert = -(-rows // bh)  # scale rows of one expert
+        cidx = torch.arange(cols, device=device) // bw if not single and grid.shape[1] > 1 else None
+        for start, end, band in row_bands(reader, ref, total, cols, max(1, FP8_VALUES // max(cols, 1)), device):
+            q = band.view(torch.float8_e4m3fn).to(math)
+            if single:
+                s = grid
+            else:
+                r = torch.arange(start, end, device=device)
+                s = grid.index_select(0, r // rows * per_expert + r % rows // bh)
+                s = s if cidx is None else s.index_select(1, cidx)
+            yield host_bytes(q.mul_(s).to(out))
 
 
 # A band of FP4 weights: this many values (float32 and int64 temporaries, ~30 bytes each).
@@ -138,7 +150,7 @@ class Fp4Dequant:
         return source
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
-        """The weight's bytes, one band of rows at a time."""
+        """The weight's bytes, one band of rows at a time (its packed rows and their scales read together)."""
         import torch
 
         ref = target.source
@@ -146,24 +158,12 @@ class Fp4Dequant:
         groups = self.scale.shape[1]
         out = getattr(torch, TORCH_NAMES[target.dtype])
         device = device_of(space)
-        gs = None if self.global_scale is None else _whole(reader, self.global_scale).to(device).to(torch.float32)
+        gs = None if self.global_scale is None else whole(reader, self.global_scale).to(device).to(torch.float32)
         step = max(1, FP4_VALUES // max(2 * half, 1))
-        packed, scales = reader.stream(ref), reader.stream(self.scale)
-        for start in range(0, rows, step):
-            n = min(step, rows - start)
-            q = _read(packed, ref, n * half).reshape(n, half).to(device)
-            s = _read(scales, self.scale, n * groups).reshape(n, groups).to(device)
+        packed = row_bands(reader, ref, rows, half, step, device)
+        scales = row_bands(reader, self.scale, rows, groups, step, device)
+        for (_, _, q), (_, _, s) in zip(packed, scales, strict=True):
             yield host_bytes(fp4_dequant(q, s, gs, self.kind).to(out))
-
-
-def _read(stream, ref: TensorRef, count: int):
-    """The next ``count`` bytes of ``ref``'s stream as a uint8 tensor."""
-    import torch
-
-    buf = bytearray(count)
-    if stream.readinto(memoryview(buf)) != count:
-        raise OutputError(f"{ref.name} ended early", ref.path)
-    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def fp4_unpack(packed):

@@ -21,6 +21,7 @@ from streamck.plan.moe.blocks import Block, layout_line
 from streamck.plan.moe.experts import blocks_of, check_count, check_per_expert, check_router, fuse_block, unfuse_block
 from streamck.plan.moe.families import FAMILIES, REFUSED, Family, expert_count, family_of
 from streamck.plan.moe.fp32 import keep_fp32 as _keep_fp32
+from streamck.plan.moe.scales import tile_rows
 from streamck.plan.rules import Rules
 
 MODES = ("auto", "keep", "fuse")
@@ -98,13 +99,13 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
         block_ts = {n: t for n, t in ts.items() if n.startswith(b.name + ".")}
         if b.fused:
             if mode == "auto":
-                done[b.name] = unfuse_block(block_ts, b, fam, stated, extra)
+                done[b.name] = unfuse_block(block_ts, b, fam, stated, extra, tile_rows(config))
             else:
                 gu = next(iter(b.fused.values()))
                 check_count(b.name, ts[gu].shape[0] if ts[gu].shape else 0, stated)
                 check_router(ts, b.name, fam.router, ts[gu].shape[0] if ts[gu].shape else 0, extra)
         elif mode == "fuse" and fam.per_expert:
-            done[b.name] = fuse_block(block_ts, b, fam, stated, extra)
+            done[b.name] = fuse_block(block_ts, b, fam, stated, extra, tile_rows(config))
         else:
             check_per_expert(ts, b, fam, stated, extra)
     return _replaced(plan, done, model_type, mode, fam)

@@ -14,7 +14,8 @@ from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan
 from streamck.plan.moe.blocks import Block, find_blocks
 from streamck.plan.moe.layout import DOWN, GATE_UP, Family
-from streamck.source.select import Rows, concat, select
+from streamck.plan.moe.scales import FUSED_SCALES, fused_scales, pick, refuse_other, scale_name, split_scales
+from streamck.source.select import Rows, concat
 
 
 def _one(ts: dict[str, OutputTensor], name: str, block: str, what: str) -> OutputTensor:
@@ -53,18 +54,13 @@ def _fused_shapes(gu: OutputTensor, dn: OutputTensor, block: str, spare: int = 0
     return gu.shape[0] - spare, gu.shape[1] // 2
 
 
-def _pick(t: OutputTensor, name: str, rows: Rows | None, index: int) -> OutputTensor:
-    """Expert ``index`` of fused ``t`` (``rows`` of it) as output ``name``."""
-    label = f"{t.source.name}[{index}]" + (f"[{rows.start}:{rows.start + rows.count}]" if rows else "")
-    return OutputTensor(name, select(t.source, rows, index=index, name=label), t.dtype)
-
-
 def unfuse_block(
-    ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None, extra: int = 0
+    ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None, extra: int = 0, tile: int = 128
 ) -> list[OutputTensor]:
     """Block ``b``'s tensors (from ``ts`` by output name) under save_pretrained's names: fused
-    experts split into per-expert rows where the family writes them so, renamed otherwise
-    (``extra``: the router's rows beyond the experts)."""
+    experts split into per-expert rows where the family writes them so, their FP8 scales with
+    them (``tile``: an FP8 tile's rows), renamed otherwise (``extra``: the router's rows beyond
+    the experts)."""
     gu = _one(ts, f"{b.name}.experts.{GATE_UP}", b.name, "fused tensor")
     dn = _one(ts, f"{b.name}.experts.{DOWN}", b.name, "fused tensor")
     spare = extra if fam.gate_up_extra else 0
@@ -72,19 +68,22 @@ def unfuse_block(
     check_count(b.name, experts, stated)
     check_router(ts, b.name, fam.router, experts, extra)
     disk = b.name[: len(b.name) - len(b.leaf)] + fam.disk_block if fam.block else b.name
+    fused = {gu.name, dn.name, *(f"{b.name}.experts.{s}" for s in FUSED_SCALES)}
     out = []
     for name, t in ts.items():
-        if name.startswith(b.name + ".") and (fam.experts is None or (t is not gu and t is not dn)):
+        if name.startswith(b.name + ".") and (fam.experts is None or name not in fused):
             out.append(replace(t, name=f"{disk}.{fam.disk_suffix(name[len(b.name) + 1 :])}"))
     if not fam.per_expert:  # written fused, as it runs (renamed where the family's files name it otherwise)
         return out
+    refuse_other({n: t for n, t in ts.items() if n not in fused}, b, "splitting the experts of")
     gate, up, down = fam.experts
+    out += split_scales(ts, b, disk, inter, tile, fam.experts)
     for e in range(experts + spare):  # the spare ones (LongCat's zero experts): gate and up only
         pre = f"{disk}.experts.{e}"
-        out.append(_pick(gu, f"{pre}.{gate}.weight", Rows.span(0, inter), e))
-        out.append(_pick(gu, f"{pre}.{up}.weight", Rows.span(inter, 2 * inter), e))
+        out.append(pick(gu, f"{pre}.{gate}.weight", Rows.span(0, inter), e))
+        out.append(pick(gu, f"{pre}.{up}.weight", Rows.span(inter, 2 * inter), e))
         if e < experts:
-            out.append(_pick(dn, f"{pre}.{down}.weight", None, e))
+            out.append(pick(dn, f"{pre}.{down}.weight", None, e))
     return out
 
 
@@ -129,10 +128,11 @@ def _spares(ts: dict[str, OutputTensor], b: Block, fam: Family, experts: int, sp
 
 
 def fuse_block(
-    ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None, extra: int = 0
+    ts: dict[str, OutputTensor], b: Block, fam: Family, stated: int | None, extra: int = 0, tile: int = 128
 ) -> list[OutputTensor]:
     """Per-expert block ``b`` under the runtime names transformers loads it to: experts fused
-    into ``gate_up_proj`` [E, 2I, H] (gate, up per expert) and ``down_proj`` [E, H, I]."""
+    into ``gate_up_proj`` [E, 2I, H] (gate, up per expert) and ``down_proj`` [E, H, I], their FP8
+    scales fused with them (streamck.plan.moe.scales; ``tile``: an FP8 tile's rows)."""
     experts = _experts_of(b, fam, stated)
     check_router(ts, b.name, fam.disk_suffix(fam.router), experts, extra)
     gate, up, down = fam.experts  # type: ignore[misc]
@@ -159,7 +159,10 @@ def fuse_block(
         OutputTensor(gu_ref.name, gu_ref._replace(shape=(experts + spare, 2 * inter, hidden)), dtype),
         OutputTensor(dn_ref.name, dn_ref._replace(shape=(experts, hidden, inter)), dtype),
     ]
+    out += fused_scales(ts, per + spares, run, inter, tile)
     expert_names = {n for ids in b.experts.values() for n in ids.values()}
+    expert_names |= {scale_name(n) for n in expert_names}
+    refuse_other({n: t for n, t in ts.items() if n not in expert_names}, b, "--fuse-experts")
     for name, t in ts.items():
         if name.startswith(b.name + ".") and name not in expert_names:
             out.append(replace(t, name=f"{run}.{fam.runtime_suffix(name[len(b.name) + 1 :])}"))
