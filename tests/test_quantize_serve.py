@@ -5,7 +5,7 @@ missing or unexpected keys, the embeddings and head as stored, quantized modules
 puts them, and logits close to the bf16 model's. transformers 5.19's MoE expert converters lose
 FP8_BLOCK's block scales and NVFP4's global scales (bugs of theirs: the bytes are model_free_ptq's,
 tests/test_quantize.py); those two cases are strict xfails there, and every MoE output is also
-loaded through compressed-tensors' own decompressor. Also: an fp32 source to an A16 scheme runs
+loaded through compressed-tensors' own decompressor. Also: an fp32 or f16 source to an A16 scheme runs
 (the rest written in bf16), and --quantize-lm-head loads with a quantized head.
 
 One fixture writes every output (streamck in this process) and loads them all in one child: ~40 s."""
@@ -30,6 +30,8 @@ SCHEMES = ("FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16")
 TOLERANCE = {"FP8_DYNAMIC": 0.12, "FP8_BLOCK": 0.12, "NVFP4A16": 0.35, "MXFP4A16": 0.35}
 # Linear modules quantized by default: 7 a layer of 2 (dense), 4 attention + 4 experts × 3 (MoE).
 QUANTIZED = {"llama384": 14, "qwen3moe": 32, "llama-tied": 14}
+# A16 schemes from a source that is not bf16
+WIDE_CASES = [("f32", "NVFP4A16"), ("f32", "MXFP4A16"), ("f16", "NVFP4A16")]
 TRANSFORMERS_BUGS = {
     ("qwen3moe", "FP8_BLOCK"): "transformers 5.19's DecompressExperts multiplies by the block scale unexpanded",
     ("qwen3moe", "NVFP4A16"): "transformers 5.19's expert converter drops weight_global_scale (2688x too large)",
@@ -50,10 +52,11 @@ def served(quant, tmp_path_factory) -> dict:  # noqa: F811
             jobs.append({"name": out.name, "base": str(quant / model), "out": str(out), "how": "transformers"})
             if model == "qwen3moe":
                 jobs.append({**jobs[-1], "name": f"{out.name}-ct", "how": "decompress"})
-    rewrite(quant / "llama384", root / "f32", dtype="f32")
-    for scheme in ("NVFP4A16", "MXFP4A16"):
-        rewrite(root / "f32", root / f"f32-{scheme}", quantize=scheme)
-        jobs.append({"name": f"f32-{scheme}", "base": str(root / "f32"), "out": str(root / f"f32-{scheme}"),
+    for dtype, scheme in WIDE_CASES:
+        if not (root / dtype).exists():
+            rewrite(quant / "llama384", root / dtype, dtype=dtype)
+        rewrite(root / dtype, root / f"{dtype}-{scheme}", quantize=scheme)
+        jobs.append({"name": f"{dtype}-{scheme}", "base": str(root / dtype), "out": str(root / f"{dtype}-{scheme}"),
                      "how": "transformers"})  # fmt: skip
     rewrite(quant / "llama384", root / "head", quantize="NVFP4A16", quantize_lm_head=True)
     jobs.append({"name": "head", "base": str(quant / "llama384"), "out": str(root / "head"), "how": "transformers"})
@@ -96,11 +99,11 @@ def test_moe_loads_through_compressed_tensors(served, scheme):
     assert got["same"] == {"embeddings": True, "head": True}, got
 
 
-@pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16"])
-def test_fp32_source_to_a16_runs(served, scheme):
-    """An fp32 source: the FP4 weights with the rest (and config.json's dtype) in bf16, which
-    transformers runs (the fp32 config made its forward fail: float against bf16)."""
-    got = served[f"f32-{scheme}"]
+@pytest.mark.parametrize("dtype,scheme", WIDE_CASES)
+def test_fp32_source_to_a16_runs(served, dtype, scheme):
+    """An fp32 (or f16) source: the FP4 weights with the rest (and config.json's dtype) in bf16, which
+    transformers runs (the source's dtype made its forward fail: float or half against bf16)."""
+    got = served[f"{dtype}-{scheme}"]
     _loads_close(got, scheme)
     assert got["dtype"] == "torch.bfloat16" and got["quantized"] == QUANTIZED["llama384"], got
 

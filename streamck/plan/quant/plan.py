@@ -119,7 +119,7 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
         )
     count = len(targets)
     wide = [t.dtype for t in tensors if t.transform is None and t.dtype in WIDE]
-    if strategy in ("tensor_group", "group") and wide:  # A16: compressed-tensors decompresses to bf16
+    if strategy in ("tensor_group", "group") and wide:  # see WIDE
         tensors = [replace(t, dtype="BF16") if t.transform is None and t.dtype in WIDE else t for t in tensors]
         plan.notices.append(
             f"--quantize {scheme}: the {len(wide)} other {'/'.join(sorted(set(wide)))} tensors and config.json's "
@@ -151,9 +151,10 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
     return replace(plan, tensors=tensors, files=files, side_files=side, summary=[*plan.summary, *summary])
 
 
-# Float dtypes that FP4's A16 schemes write in bf16 beside the packed weights (their forward in
-# transformers multiplies the bf16 weights with activations of the model's dtype).
-WIDE = ("F32", "F64")
+# Float dtypes that FP4's A16 schemes write in bf16 beside the packed weights: compressed-tensors
+# decompresses FP4 weights to bf16, and transformers' forward multiplies them with activations of
+# the model's dtype (float32 or float16 against bf16 fails).
+WIDE = ("F32", "F64", "F16")
 
 
 def _note_partial_tiles(plan: Plan, targets: list[OutputTensor]) -> None:
