@@ -32,9 +32,9 @@ def table_nibbles(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_every_float32_class():
-    from streamck.transforms.fp4 import CUT, E2M1
+    from streamck.transforms.fp4 import CUT, E2M1, NAN
 
-    assert len(E2M1) == 4096
+    assert len(E2M1) == 4096 and max(E2M1) == NAN
     high = torch.arange(1 << (32 - CUT), dtype=torch.int64) << CUT
     rest = [torch.zeros_like(high), torch.ones_like(high), torch.full_like(high, (1 << CUT) - 1),
             torch.randint(1, 1 << CUT, high.shape, generator=torch.Generator().manual_seed(0))]  # fmt: skip

@@ -19,11 +19,12 @@ constant made on the band's device, and copied back.
 
 FP4 rounding (the oracle's CPU ``cast_to_fp4`` then ``pack_fp4_to_uint8``): |x| ≤ 0.25 → 0,
 < 0.75 → 0.5, ≤ 1.25 → 1, < 1.75 → 1.5, ≤ 2.5 → 2, < 3.5 → 3, ≤ 5 → 4, else 6 (ties to even),
-times ``sign(x)``; a negative value that rounds to zero is -0, nibble 0x8; -0 itself and NaN are
-nibble 0 (torch's sign of either is 0). Nibbles: even column low, odd column high. Every threshold
-has at most two mantissa bits, so the f32 bits above bit 21 (sign, exponent, two mantissa bits)
-and whether any bit below is set decide the nibble: one lookup in a 4096-entry table (E2M1),
-built at import from E2M1_STEPS (tests/test_fp4_table.py checks it against compressed-tensors).
+times ``sign(x)``; a negative value that rounds to zero is -0, nibble 0x8; -0 itself is 0. Nibbles:
+even column low, odd column high. Every threshold has at most two mantissa bits, so the f32 bits
+above bit 21 (sign, exponent, two mantissa bits) and whether any bit below is set decide the
+nibble: one lookup in a 4096-entry table (E2M1), built at import from E2M1_STEPS
+(tests/test_fp4_table.py checks it against compressed-tensors). A NaN's nibble (0 or 8) hangs on
+the signs torch gives NaNs on the way: a band with one takes compressed-tensors' own operations.
 """
 
 from __future__ import annotations
@@ -50,11 +51,15 @@ E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fa
 CUT = 21  # the f32 bits below this one never change the nibble but for being all zero (see the docstring)
 
 
+NAN = 0x10  # no nibble: a NaN's nibble hangs on the signs torch gives NaNs on the way (see _fp4_reference)
+
+
 def e2m1_nibble(bits: int) -> int:
-    """The nibble compressed-tensors packs for the float32 with these bits (index | 8 if negative)."""
+    """The nibble compressed-tensors packs for the float32 with these bits (index | 8 if negative);
+    NAN for a NaN."""
     x = struct.unpack("<f", struct.pack("<I", bits))[0]
-    if x != x:  # NaN: sign(NaN) is 0, NaN * 2 cast to int8 is 0: index 0, no sign
-        return 0
+    if x != x:
+        return NAN
     index = sum(abs(x) > t or (up and abs(x) == t) for t, up in E2M1_STEPS)
     return index | (8 if x < 0 else 0)
 
@@ -239,13 +244,15 @@ def _fp4_group(block, scales):
     cols = block.shape[-1]
     groups = block.unflatten(-1, (-1, cols // scales.shape[-1]))
     quotient = groups / scales.unsqueeze(-1)
-    if quotient.dtype == torch.float64 or bool(torch.isnan(quotient).any()):
-        # float32 would round a float64; a NaN's nibble hangs on the signs torch gives NaNs on the way
+    if quotient.dtype == torch.float64:  # float32 would round it
         return _fp4_reference(quotient, block.dtype).flatten(start_dim=-2)
     bits = quotient.float().view(torch.int32)  # float32 holds bf16 and f16 exactly
     key = torch.bitwise_right_shift(bits, CUT - 1).bitwise_and_(0xFFE)  # sign, exponent, 2 mantissa bits
     key.add_(torch.bitwise_and(bits, (1 << CUT) - 1).ne_(0))
-    return _table(str(block.device))[key].flatten(start_dim=-2)
+    nibbles = _table(str(block.device))[key]
+    if int(nibbles.max()) >= NAN:  # a NaN among them (a pass over bytes): compressed-tensors' operations
+        return _fp4_reference(quotient, block.dtype).flatten(start_dim=-2)
+    return nibbles.flatten(start_dim=-2)
 
 
 def _fp4_reference(x, dtype):

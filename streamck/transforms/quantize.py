@@ -148,11 +148,14 @@ def _quantize(block, scales, strategy: str):
 
     lo, hi = torch.tensor(-FP8_MAX, device=block.device), torch.tensor(FP8_MAX, device=block.device)
     if strategy == "channel":
-        return _positive_nan(torch.clamp(block / scales, lo, hi).to(torch.float8_e4m3fn))
-    rows, cols = block.shape
-    tiles = torch.clamp(_tiles(block) / scales[..., None, None], lo, hi).to(torch.float8_e4m3fn)
-    rt, ct = tiles.shape[:2]
-    return _positive_nan(tiles.transpose(1, 2).reshape(rt * TILE, ct * TILE)[:rows, :cols])
+        values = torch.clamp(block / scales, lo, hi).to(torch.float8_e4m3fn)
+    else:
+        rows, cols = block.shape
+        tiles = torch.clamp(_tiles(block) / scales[..., None, None], lo, hi).to(torch.float8_e4m3fn)
+        rt, ct = tiles.shape[:2]
+        values = tiles.transpose(1, 2).reshape(rt * TILE, ct * TILE)[:rows, :cols]
+    # A NaN value needs a NaN or infinite scale (a NaN weight makes its scale NaN): checked on the scales.
+    return values if bool(torch.isfinite(scales).all()) else _positive_nan(values)
 
 
 def _positive_nan(values):
