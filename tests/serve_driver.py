@@ -6,8 +6,8 @@ import of transformers + compressed-tensors for every job), and reports what it 
 Each job is ``{"name", "base", "out", "how"}``: ``how`` "transformers" is ``from_pretrained(out)``
 (compressed-tensors decompressing on load, the dtype from config.json); "decompress" runs
 compressed-tensors' own compressor (the config's format) on each quantized module's stored
-tensors and loads the result into ``base``'s model (the path transformers takes for per-expert
-MoE weights, without its expert converters). Each result: missing / unexpected / mismatched keys,
+tensors and loads the result, saved beside ``base``'s config, with from_pretrained (transformers'
+expert converters fuse it, with no quantization to handle). Each result: missing / unexpected / mismatched keys,
 the logits' relative error and cosine against ``base``'s (loaded in its own dtype), whether the
 input embeddings and the head equal ``base``'s, how many Linear modules hold quantized weights,
 or the error's last line.
@@ -16,6 +16,7 @@ or the error's last line.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def decompressed(base: str, out: str):
     compressor for the config's format and the other tensors as ``out`` stores them."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     qc = json.loads((Path(out) / "config.json").read_text())["quantization_config"]
@@ -59,13 +60,16 @@ def decompressed(base: str, out: str):
         modules.setdefault(module, {})[local] = value
     weights = {}
     for module, local in modules.items():
-        if "weight_scale" in local:
-            local = compressor.decompress(local, scheme)
+        if "weight_scale" in local:  # the decompressed weight only (the result keeps the scales beside it)
+            local = {"weight": compressor.decompress(local, scheme)["weight"]}
         weights.update({f"{module}.{k}": v for k, v in local.items()})
-    model = AutoModelForCausalLM.from_pretrained(base)
-    dtype = next(model.parameters()).dtype
-    info = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
-    return model, {"missing_keys": list(info.missing_keys), "unexpected_keys": list(info.unexpected_keys)}
+    # Saved beside base's config and loaded by from_pretrained: its converters fuse per-expert weights.
+    dense = Path(f"{out}-decompressed")
+    dense.mkdir()
+    shutil.copy(Path(base) / "config.json", dense)
+    dtype = json.loads((dense / "config.json").read_text())["dtype"]
+    save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in weights.items()}, dense / "model.safetensors")
+    return AutoModelForCausalLM.from_pretrained(dense, output_loading_info=True)
 
 
 def run(job: dict) -> dict:
