@@ -2,7 +2,7 @@
 
 python bench/quant_floor.py SRC SCHEME   # prints {"arithmetic": s, "one_cast": s} as JSON
 
-The weights ``--quantize SCHEME --quantize-ignore lm_head`` targets are loaded into memory first
+The weights ``--quantize SCHEME`` targets (its defaults: not lm_head, not the embeddings) are loaded into memory first
 (untimed); then, timed, streamck's own band functions (streamck.transforms.quantize / fp4) compute
 every output from them, and, for comparison, a single ``Tensor.to(float8_e4m3fn)`` pass over the
 same weights: the least any FP8 cast with torch on the CPU can take. A streamck run close to
@@ -18,6 +18,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
+from streamck.plan.quant.layout import EMBEDDINGS
 from streamck.transforms import fp4, quantize
 
 
@@ -28,7 +29,8 @@ def _targets(src: str) -> list[torch.Tensor]:
     for path in sorted(Path(src).glob("*.safetensors")):
         for name, t in load_file(path).items():
             module = name.removesuffix(".weight")
-            if name.endswith(".weight") and t.dim() == 2 and not module.endswith("norm") and module != "lm_head":
+            kept = module == "lm_head" or module.rpartition(".")[2] in EMBEDDINGS  # the defaults' ignore list
+            if name.endswith(".weight") and t.dim() == 2 and not module.endswith("norm") and not kept:
                 out.append(t)
     return out
 

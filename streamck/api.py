@@ -41,6 +41,7 @@ def build_plan(
     experts: str = "auto",
     quantize: str | None = None,
     quantize_ignore: Sequence[str] = (),
+    quantize_lm_head: bool = False,
     **read: Any,
 ) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
@@ -55,7 +56,8 @@ def build_plan(
     family from config.json), ``"keep"`` as the source has them, ``"fuse"`` fused as
     transformers runs them (see streamck.plan.moe). ``quantize`` names a scheme (``"FP8_BLOCK"``) to quantize the
     output's linear weights to, as llm-compressor's model_free_ptq does, leaving out the
-    modules ``quantize_ignore`` names (``"lm_head"``, ``"re:.*mlp.gate$"``); ``dtype`` on a
+    modules ``quantize_ignore`` names (``"re:.*self_attn.*"``) besides the defaults (``lm_head``
+    unless ``quantize_lm_head``, the input embeddings, ``"re:.*mlp.gate$"``); ``dtype`` on a
     quantized source dequantizes it (see streamck.plan.quant).
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
@@ -78,17 +80,17 @@ def build_plan(
     compiled = apply_experts(keep_fp32(compiled, plan_rules), experts, builtin=spec.builtin)
     if merge_lora is not None:
         compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
-    return _quant_steps(compiled, dtype, quantize, quantize_ignore)
+    return _quant_steps(compiled, dtype, quantize, quantize_ignore, quantize_lm_head)
 
 
-def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequence[str]) -> Plan:
+def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequence[str], head: bool) -> Plan:
     """Dequantize a quantized source on ``--dtype``, or refuse a cast that would drop its scales;
     then quantize (``--quantize``). See streamck.plan.quant."""
     from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_kind
     from streamck.plan.quant.plan import quantize_plan
 
-    if ignore and scheme is None:
-        raise UsageError("--quantize-ignore applies to --quantize only")
+    if (ignore or head) and scheme is None:
+        raise UsageError(f"{'--quantize-ignore' if ignore else '--quantize-lm-head'} applies to --quantize only")
     if plan.source is not None and quantized_kind(plan) is not None:
         if scheme is not None:
             raise PlanError(f"--quantize: the source is already {quantized_kind(plan)}-quantized; dequantize it first")
@@ -101,7 +103,7 @@ def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequ
                 "not its weights; dequantize with --dtype"
             )
         return plan
-    return plan if scheme is None else quantize_plan(plan, scheme, list(ignore))
+    return plan if scheme is None else quantize_plan(plan, scheme, list(ignore), head)
 
 
 def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
@@ -151,6 +153,7 @@ def rewrite(
     experts: str = "auto",
     quantize: str | None = None,
     quantize_ignore: Sequence[str] = (),
+    quantize_lm_head: bool = False,
     **read: Any,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
@@ -194,6 +197,7 @@ def rewrite(
         experts=experts,
         quantize=quantize,
         quantize_ignore=quantize_ignore,
+        quantize_lm_head=quantize_lm_head,
         **read,
     )
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size

@@ -98,6 +98,7 @@ def _compile(args: argparse.Namespace):
         experts=args.experts,
         quantize=args.quantize,
         quantize_ignore=args.quantize_ignore or (),
+        quantize_lm_head=args.quantize_lm_head,
     )
     _notes(plan, args.quiet)
     return plan

@@ -218,8 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize-ignore",
         metavar="PATTERN",
         action="append",
-        help="a module left unquantized (repeatable): a name, or re:REGEX matched from the start; users normally "
-        "pass lm_head, and 're:.*mlp.gate$' for a MoE router",
+        help="a module left unquantized (repeatable): a name, or re:REGEX matched from the start; added to the "
+        "defaults (lm_head, the input embeddings, 're:.*mlp.gate$' for a MoE router; norms are never quantized)",
+    )
+    quant.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="quantize lm_head too (for servers that run it quantized); it is left out by default",
     )
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(

@@ -23,24 +23,31 @@ def run_oracle(*args) -> None:
         raise RuntimeError(f"quant_oracles.py {args[0]} failed:\n{done.stderr[-6000:]}")
 
 
+# streamck's default ignore list for these bases (the head, the embeddings, a MoE router)
+ROUTER = "re:.*mlp.gate$"
+DEFAULT = ("lm_head", "model.embed_tokens", ROUTER)
 # (case name, base, scheme, ignore entries) that model_free_ptq is run on once
 PTQ_CASES = [
-    ("llama-FP8_DYNAMIC", "llama", "FP8_DYNAMIC", ("lm_head",)),
-    ("llama-FP8_BLOCK", "llama", "FP8_BLOCK", ("lm_head",)),
-    ("sharded-FP8_BLOCK", "llama-sharded", "FP8_BLOCK", ("lm_head", "model.embed_tokens")),
-    ("qwen3moe-FP8_DYNAMIC", "qwen3moe", "FP8_DYNAMIC", ("lm_head", "re:.*mlp.gate$")),
-    ("qwen3moe-FP8_BLOCK", "qwen3moe", "FP8_BLOCK", ("lm_head",)),
-    ("llama-NVFP4A16", "llama", "NVFP4A16", ("lm_head",)),
-    ("qwen3moe-NVFP4A16", "qwen3moe", "NVFP4A16", ("lm_head", "re:.*mlp.gate$")),
-    ("llama-MXFP4A16", "llama", "MXFP4A16", ("lm_head",)),
-    ("qwen3moe-MXFP4A16", "qwen3moe", "MXFP4A16", ("lm_head",)),
+    ("llama-FP8_DYNAMIC", "llama", "FP8_DYNAMIC", DEFAULT),
+    ("llama-FP8_BLOCK", "llama", "FP8_BLOCK", DEFAULT),
+    ("sharded-FP8_BLOCK", "llama-sharded", "FP8_BLOCK", DEFAULT),
+    ("qwen3moe-FP8_DYNAMIC", "qwen3moe", "FP8_DYNAMIC", DEFAULT),
+    ("qwen3moe-FP8_BLOCK", "qwen3moe", "FP8_BLOCK", DEFAULT[1:]),  # --quantize-lm-head
+    ("llama-NVFP4A16", "llama", "NVFP4A16", DEFAULT),
+    ("qwen3moe-NVFP4A16", "qwen3moe", "NVFP4A16", DEFAULT),
+    ("llama-MXFP4A16", "llama", "MXFP4A16", DEFAULT),
+    ("qwen3moe-MXFP4A16", "qwen3moe", "MXFP4A16", (*DEFAULT, "re:.*self_attn.o_proj$")),
+    ("tied-FP8_BLOCK", "llama-tied", "FP8_BLOCK", DEFAULT),
     ("ct-FP8_DYNAMIC", "llama", "FP8_DYNAMIC", ("lm_head", "model.embed_tokens")),
+    # NaN and ±inf weights (no embeddings: none in the defaults)
+    *((f"nan-{s}", "nan", s, ("lm_head", ROUTER)) for s in ("FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16")),
 ]
 
 
 @pytest.fixture(scope="session")
 def quant(request, tmp_path_factory) -> Path:
-    """A folder holding the bases (llama, llama-sharded, llama-split, qwen3moe), model_free_ptq's outputs
+    """A folder holding the bases (llama, llama-sharded, llama-split, llama384, llama-tied, qwen3moe, nan),
+    model_free_ptq's outputs
     (PTQ_CASES, by case name) and a DeepSeek-layout FP8 llama (ds-fp8)."""
     pytest.importorskip("llmcompressor", reason="llmcompressor==0.14.0.1 (scripts/test installs it)")
     digest = hashlib.sha256(DRIVER.read_bytes() + repr(PTQ_CASES).encode()).hexdigest()[:12]

@@ -1,7 +1,7 @@
 """The producers and oracles tests/test_quantize.py and test_dequantize.py compare against, run in a
 child (llm-compressor's import alone is ~0.5 GiB and installs loggers):
 
-    bases OUT                  tiny Llama (one file, two shardings, 128-wide) and Qwen3-MoE, bf16, by transformers
+    bases OUT                  tiny Llama (one file, two shardings, 128-wide, tied) and Qwen3-MoE, bf16, by transformers
     ptq SRC OUT SCHEME [IGN..] llm-compressor 0.14.0.1's model_free_ptq on the CPU
     fp8 SRC OUT                a DeepSeek-V3-layout FP8 checkpoint, by transformers' FineGrainedFP8
     load SRC DTYPE OUT         the weights transformers loads from a quantized SRC (dequantizing), saved
@@ -16,6 +16,8 @@ import torch
 
 
 def bases(out: str) -> None:
+    from pathlib import Path
+
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -39,6 +41,23 @@ def bases(out: str) -> None:
     LlamaForCausalLM(llama.__class__(**{**llama.to_dict(), "intermediate_size": 384})).to(
         torch.bfloat16
     ).save_pretrained(f"{out}/llama384")
+    # Tied embeddings (no lm_head.weight stored), every side a multiple of 128 (loads as served).
+    LlamaForCausalLM(llama.__class__(**{**llama.to_dict(), "intermediate_size": 384, "tie_word_embeddings": True})).to(
+        torch.bfloat16
+    ).save_pretrained(f"{out}/llama-tied")
+    # NaN and ±inf among the weights, a whole FP4 group of them too: compressed-tensors' bytes for them.
+    from safetensors.torch import save_file
+
+    up, down = torch.randn(256, 256), torch.randn(256, 256)
+    nan, inf = float("nan"), float("inf")
+    up[0, 5], up[1, 7], up[202, 40], down[5, 9] = nan, -nan, nan, nan
+    up[130, 3], up[140, 200], up[200, :16], up[201, :32] = inf, -inf, inf, -inf
+    up[203, 64:96], up[203, 70] = 0.0, -0.0
+    Path(f"{out}/nan").mkdir()
+    layer = "model.layers.0.mlp"
+    save_file({f"{layer}.up_proj.weight": up.to(torch.bfloat16), f"{layer}.down_proj.weight": down.to(torch.bfloat16)},
+              f"{out}/nan/model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    Path(f"{out}/nan/config.json").write_text('{"model_type": "llama", "dtype": "bfloat16"}')
     moe = Qwen3MoeConfig(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, num_experts=4,
                          num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip

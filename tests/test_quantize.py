@@ -42,12 +42,52 @@ def assert_same_as_ptq(ours: Path, theirs: Path) -> None:
     assert (ours / "config.json").read_bytes() == (theirs / "config.json").read_bytes()
 
 
+# streamck's flags for a case (none: the defaults, which are the case's ignore list)
+FLAGS = {
+    "llama-FP8_DYNAMIC": ["--quantize-ignore", "lm_head"],  # a default given again: written once
+    "qwen3moe-FP8_BLOCK": ["--quantize-lm-head"],
+    "qwen3moe-MXFP4A16": ["--quantize-ignore", "re:.*self_attn.o_proj$"],  # added to the defaults
+}
+
+
 @pytest.mark.parametrize("case", [c for c in PTQ_CASES if not c[0].startswith("ct-")], ids=lambda c: c[0])
 def test_same_as_model_free_ptq(quant, tmp_path, case):  # noqa: F811
+    """The defaults (the head, the embeddings, a MoE router left out), --quantize-ignore added to
+    them and --quantize-lm-head: model_free_ptq with that ignore list, config.json included."""
     name, base, scheme, ignore = case
-    args = [a for entry in ignore for a in ("--quantize-ignore", entry)]
-    cli("rewrite", quant / base, "-o", tmp_path / "out", "--quantize", scheme, *args, check=0)
+    cli("rewrite", quant / base, "-o", tmp_path / "out", "--quantize", scheme, *FLAGS.get(name, []), check=0)
     assert_same_as_ptq(tmp_path / "out", quant / name)
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == list(ignore)
+
+
+def test_ignore_notes_and_head_refusals(quant, tmp_path):  # noqa: F811
+    """An ignore entry that matches nothing is named; --quantize-lm-head is refused where the head is
+    tied (no lm_head.weight) or ignored too; the embeddings stay as they are stored."""
+    out = tmp_path / "out"
+    done = cli("rewrite", quant / "llama384", "-o", out, "--quantize", "FP8_DYNAMIC", "--quantize-ignore", "re:.*qproj",
+               "--quantize-ignore", "model.layers.0.mlp", "--quantize-ignore", "model.layers.0.mlp.up_proj",
+               check=0)  # fmt: skip
+    assert "'re:.*qproj' matches no module" in done.stderr and "'model.layers.0.mlp' matches no" in done.stderr
+    assert "up_proj' matches" not in done.stderr
+    got, base = tensors(out), tensors(quant / "llama384")
+    assert got["model.embed_tokens.weight"] == base["model.embed_tokens.weight"]
+    assert got["lm_head.weight"] == base["lm_head.weight"]
+    assert "model.layers.0.mlp.gate_proj.weight_scale" in got and "model.layers.0.mlp.up_proj.weight_scale" not in got
+    _refused(cli("rewrite", quant / "llama-tied", "-o", out / "t", "--quantize", "NVFP4A16", "--quantize-lm-head"),
+             out / "t", "--quantize-lm-head", "no lm_head.weight")  # fmt: skip
+    _refused(cli("rewrite", quant / "llama384", "-o", out / "t", "--quantize", "NVFP4A16", "--quantize-lm-head",
+                 "--quantize-ignore", "lm_head"), out / "t", "contradict")  # fmt: skip
+    _refused(cli("rewrite", quant / "llama384", "-o", out / "t", "--quantize-lm-head"), out / "t", "--quantize")
+
+
+def test_partial_block_tiles_are_noted(quant, tmp_path):  # noqa: F811
+    """FP8_BLOCK on a side no multiple of 128 (written as model_free_ptq pads it) says that
+    compressed-tensors cannot load it; a 128-multiple model is not noted."""
+    done = cli("rewrite", quant / "llama", "-o", tmp_path / "a", "--quantize", "FP8_BLOCK", check=0)
+    assert "side no multiple of 128" in done.stderr and "mlp.down_proj.weight [256, 320]" in done.stderr
+    done = cli("rewrite", quant / "llama384", "-o", tmp_path / "b", "--quantize", "FP8_BLOCK", check=0)
+    assert "multiple of 128" not in done.stderr
 
 
 def test_keep_shards_and_verify(quant, tmp_path):  # noqa: F811
@@ -170,13 +210,13 @@ def test_merge_lora_then_quantize_in_one_pass(tmp_path, scheme):
     global scale of q/k/v and gate/up is taken over the merged q, v and gate with the unmerged k, up."""
     pytest.importorskip("peft")
     from lora_fixtures import make_adapter, make_base, peft_merge
-    from quant_fixtures import run_oracle
+    from quant_fixtures import DEFAULT, run_oracle
 
     base = make_base(tmp_path / "base")
     targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
     adapter = make_adapter(base, tmp_path / "adapter", target_modules=targets)
     peft_merge(base, adapter, tmp_path / "merged")
-    run_oracle("ptq", tmp_path / "merged", tmp_path / "oracle", scheme, "lm_head")
+    run_oracle("ptq", tmp_path / "merged", tmp_path / "oracle", scheme, *DEFAULT)
     out = tmp_path / "out"
     proc = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", scheme,
                "--quantize-ignore", "lm_head", "--verify", check=0)  # fmt: skip

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 from helpers import cli
-from quant_fixtures import run_oracle
+from quant_fixtures import ROUTER, run_oracle
 from test_fsdp import fsdp_cases  # noqa: F401  (session fixtures of those families' tests)
 from test_megatron import megatron  # noqa: F401
 from test_moe_titan import titan_moe  # noqa: F401
 from test_quantize import tensors
 from test_titan import titan  # noqa: F401
+
+from streamck.plan.quant.layout import EMBEDDINGS
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("llmcompressor", reason="llmcompressor==0.14.0.1 (scripts/test installs it)")
@@ -34,7 +36,7 @@ def same_as_ptq(src: Path, extra: list[str], tmp_path: Path, scheme: str, ignore
     if consolidated is None:
         consolidated = tmp_path / "hf"
         cli("rewrite", src, "-o", consolidated, *extra, check=0)
-    run_oracle("ptq", consolidated, tmp_path / "oracle", scheme, *ignore)
+    run_oracle("ptq", consolidated, tmp_path / "oracle", scheme, *serving_ignore(consolidated, ignore))
     out = tmp_path / "out"
     flags = [a for entry in ignore for a in ("--quantize-ignore", entry)]
     cli("rewrite", src, "-o", out, *extra, "--quantize", scheme, *flags, "--verify", check=0)
@@ -46,14 +48,23 @@ def same_as_ptq(src: Path, extra: list[str], tmp_path: Path, scheme: str, ignore
     return ours
 
 
+def serving_ignore(folder: Path, given: list[str]) -> list[str]:
+    """model_free_ptq's ignore list for streamck's defaults on the checkpoint in ``folder`` (the
+    head, the input embeddings it holds, a MoE router), then ``given``."""
+    modules = {n.rpartition(".")[0] for n in tensors(folder)}
+    embeddings = sorted(m for m in modules if m.rpartition(".")[2] in EMBEDDINGS)
+    return list(dict.fromkeys(["lm_head", *embeddings, ROUTER, *given]))
+
+
 def _quantized(got: dict) -> list[str]:
     return sorted(n.rpartition(".")[0] for n in got if n.endswith(".weight_scale"))
 
 
 def test_dcp_to_fp8_block(dcp_ckpts, tmp_path):
-    """torch's DCP of two ranks: the embedding, Shard(0) over 51 + 50 rows, in one 128-row tile."""
-    got = same_as_ptq(dcp_ckpts["dcp"], [], tmp_path, "FP8_BLOCK", [])
-    assert _quantized(got) == ["model.embed_tokens"]
+    """torch's DCP of two ranks: the embedding, Shard(0) over 51 + 50 rows, in one 128-row tile
+    (renamed: an embedding is left out by default)."""
+    got = same_as_ptq(dcp_ckpts["dcp"], ["--rename", "embed_tokens=proj"], tmp_path, "FP8_BLOCK", [])
+    assert _quantized(got) == ["model.proj"]
 
 
 def test_zero3_to_fp8_dynamic(zero_cases, tmp_path):
@@ -105,6 +116,6 @@ def test_torchtitan_moe_per_expert_to_fp8(titan_moe, tmp_path, name):  # noqa: F
                       consolidated)  # fmt: skip
     experts = [n for n in _quantized(got) if ".mlp.experts." in n]
     assert len(experts) == 2 * 4 * 3 and "model.layers.1.mlp.experts.3.down_proj" in experts
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"][1] == (
-        "re:.*mlp.gate$"
-    )
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"] == [
+        "lm_head", "model.embed_tokens", ROUTER
+    ]  # fmt: skip

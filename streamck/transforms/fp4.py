@@ -17,13 +17,19 @@ that a band of whole rows never cuts, so a band gives the bits the whole tensor 
 On a CUDA device (``--device``) each band is computed there with the same operations, every
 constant made on the band's device, and copied back.
 
-FP4 rounding (the oracle's CPU ``cast_to_fp4``): |x| ≤ 0.25 → 0, < 0.75 → 0.5, ≤ 1.25 → 1,
-< 1.75 → 1.5, ≤ 2.5 → 2, < 3.5 → 3, ≤ 5 → 4, else 6 (ties to even), times ``sign(x)``; a
-negative value that rounds to zero is -0, nibble 0x8. Nibbles: even column low, odd column high.
+FP4 rounding (the oracle's CPU ``cast_to_fp4`` then ``pack_fp4_to_uint8``): |x| ≤ 0.25 → 0,
+< 0.75 → 0.5, ≤ 1.25 → 1, < 1.75 → 1.5, ≤ 2.5 → 2, < 3.5 → 3, ≤ 5 → 4, else 6 (ties to even),
+times ``sign(x)``; a negative value that rounds to zero is -0, nibble 0x8; -0 itself is 0. Nibbles:
+even column low, odd column high. Every threshold has at most two mantissa bits, so the f32 bits
+above bit 21 (sign, exponent, two mantissa bits) and whether any bit below is set decide the
+nibble: one lookup in a 4096-entry table (E2M1), built at import from E2M1_STEPS
+(tests/test_fp4_table.py checks it against compressed-tensors). A NaN's nibble (0 or 8) hangs on
+the signs torch gives NaNs on the way: a band with one takes compressed-tensors' own operations.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +43,29 @@ SCHEME_OF = {"nv": "NVFP4A16", "mx": "MXFP4A16"}
 FP4_MAX, FP8_MAX = 6.0, 448.0
 # Source bytes a band: FP4's float32 temporaries are a dozen times a band, in each writer thread.
 FP4_BAND = 1 << 20
+
+
+# E2M1's rounding steps, as compressed-tensors' cast_to_fp4 takes them: (threshold, whether a value
+# equal to it rounds up); a magnitude's index is the number of steps it passes (0 → 0.0 … 7 → 6.0).
+E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+CUT = 21  # the f32 bits below this one never change the nibble but for being all zero (see the docstring)
+
+
+NAN = 0x10  # no nibble: a NaN's nibble hangs on the signs torch gives NaNs on the way (see _fp4_reference)
+
+
+def e2m1_nibble(bits: int) -> int:
+    """The nibble compressed-tensors packs for the float32 with these bits (index | 8 if negative);
+    NAN for a NaN."""
+    x = struct.unpack("<f", struct.pack("<I", bits))[0]
+    if x != x:
+        return NAN
+    index = sum(abs(x) > t or (up and abs(x) == t) for t, up in E2M1_STEPS)
+    return index | (8 if x < 0 else 0)
+
+
+# nibble by key: each the nibble of the key's least member (the bits above CUT, then 0 or 1 below)
+E2M1 = bytes(e2m1_nibble(key >> 1 << CUT | key & 1) for key in range(1 << (32 - CUT + 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +192,7 @@ def nv_scales_stored(scales):
 
 
 def nv_values(block, scales, gs):
-    """FP4 values of the band, as compressed-tensors' _quantize with a global scale makes them."""
+    """FP4 nibbles of the band, as compressed-tensors' _quantize with a global scale rounds them."""
     return _fp4_group(block, scales / gs)
 
 
@@ -186,6 +215,7 @@ def mx_exponents(scales):
 
 
 def mx_values(block, scales):
+    """FP4 nibbles of the band, as compressed-tensors' _quantize rounds them (the division in ``d``)."""
     return _fp4_group(block, scales)
 
 
@@ -206,16 +236,32 @@ def _round_to_power_2(x):
 
 
 def _fp4_group(block, scales):
-    """``block / scale`` per group, clamped to ±6, rounded to FP4 (cast_to_fp4 on the CPU), in
-    the weight's dtype, as _process_group returns it."""
+    """The nibble of each ``block / scale`` (per group, divided in the dtype compressed-tensors
+    divides in), clamped to ±6 and rounded to FP4 as cast_to_fp4 on the CPU: one table lookup
+    (E2M1) keyed by the quotient's float32 bits. No clamp is needed: beyond 6 (inf too) is 7."""
     import torch
 
     cols = block.shape[-1]
     groups = block.unflatten(-1, (-1, cols // scales.shape[-1]))
-    lo, hi = torch.tensor(-FP4_MAX, device=block.device), torch.tensor(FP4_MAX, device=block.device)
-    x = torch.clamp(groups / scales.unsqueeze(-1), lo, hi)
-    sign = torch.sign(x)
-    x = torch.abs(x)
+    quotient = groups / scales.unsqueeze(-1)
+    if quotient.dtype == torch.float64:  # float32 would round it
+        return _fp4_reference(quotient, block.dtype).flatten(start_dim=-2)
+    bits = quotient.float().view(torch.int32)  # float32 holds bf16 and f16 exactly
+    key = torch.bitwise_right_shift(bits, CUT - 1).bitwise_and_(0xFFE)  # sign, exponent, 2 mantissa bits
+    key.add_(torch.bitwise_and(bits, (1 << CUT) - 1).ne_(0))
+    nibbles = _table(str(block.device))[key]
+    if int(nibbles.max()) >= NAN:  # a NaN among them (a pass over bytes): compressed-tensors' operations
+        return _fp4_reference(quotient, block.dtype).flatten(start_dim=-2)
+    return nibbles.flatten(start_dim=-2)
+
+
+def _fp4_reference(x, dtype):
+    """The nibbles of ``x`` by compressed-tensors' own operations (cast_to_fp4, the cast back to
+    ``dtype``, pack_fp4_to_uint8's index): for the rare band the table does not serve."""
+    import torch
+
+    x = torch.clamp(x, -FP4_MAX, FP4_MAX)
+    sign, x = torch.sign(x), torch.abs(x)
     x[(x >= 0.0) & (x <= 0.25)] = 0.0
     x[(x > 0.25) & (x < 0.75)] = 0.5
     x[(x >= 0.75) & (x <= 1.25)] = 1.0
@@ -224,19 +270,28 @@ def _fp4_group(block, scales):
     x[(x > 2.5) & (x < 3.5)] = 3.0
     x[(x >= 3.5) & (x <= 5.0)] = 4.0
     x[x > 5.0] = 6.0
-    return (x * sign).flatten(start_dim=-2).to(block.dtype)
+    values = (x * sign).to(dtype)
+    doubled = (values * 2).to(torch.int8).abs_()
+    index = torch.zeros_like(doubled, dtype=torch.uint8)
+    for twice, i in ((1, 1), (2, 2), (3, 3), (4, 4), (6, 5), (8, 6)):
+        index[doubled == twice] = i
+    index[doubled >= 12] = 7
+    return index | (torch.signbit(values).to(torch.uint8) << 3)
 
 
-def pack(values):
-    """pack_fp4_to_uint8: each value's E2M1 index with its sign bit (0x8, -0 included), two a
-    byte, the even column in the low nibble."""
+_TABLES: dict = {}
+
+
+def _table(device: str):
+    """E2M1 as a uint8 tensor on ``device`` (made once a device)."""
     import torch
 
-    sign = torch.signbit(values).to(torch.uint8)
-    x = (values * 2).to(torch.int8).abs_()
-    idx = torch.zeros_like(x, dtype=torch.uint8)
-    for doubled, index in ((1, 1), (2, 2), (3, 3), (4, 4), (6, 5), (8, 6)):
-        idx[x == doubled] = index
-    idx[x >= 12] = 7
-    idx = (idx | (sign << 3)).reshape(-1, 2)
-    return (idx[:, 0] | (idx[:, 1] << 4)).reshape(values.shape[0], values.shape[1] // 2)
+    if device not in _TABLES:
+        _TABLES[device] = torch.frombuffer(bytearray(E2M1), dtype=torch.uint8).to(device)
+    return _TABLES[device]
+
+
+def pack(nibbles):
+    """pack_fp4_to_uint8's bytes from the nibbles: two a byte, the even column in the low nibble."""
+    pairs = nibbles.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)

@@ -148,8 +148,20 @@ def _quantize(block, scales, strategy: str):
 
     lo, hi = torch.tensor(-FP8_MAX, device=block.device), torch.tensor(FP8_MAX, device=block.device)
     if strategy == "channel":
-        return torch.clamp(block / scales, lo, hi).to(torch.float8_e4m3fn)
-    rows, cols = block.shape
-    tiles = torch.clamp(_tiles(block) / scales[..., None, None], lo, hi).to(torch.float8_e4m3fn)
-    rt, ct = tiles.shape[:2]
-    return tiles.transpose(1, 2).reshape(rt * TILE, ct * TILE)[:rows, :cols]
+        values = torch.clamp(block / scales, lo, hi).to(torch.float8_e4m3fn)
+    else:
+        rows, cols = block.shape
+        tiles = torch.clamp(_tiles(block) / scales[..., None, None], lo, hi).to(torch.float8_e4m3fn)
+        rt, ct = tiles.shape[:2]
+        values = tiles.transpose(1, 2).reshape(rt * TILE, ct * TILE)[:rows, :cols]
+    # A NaN value needs a NaN or infinite scale (a NaN weight makes its scale NaN): checked on the scales.
+    return values if bool(torch.isfinite(scales).all()) else _positive_nan(values)
+
+
+def _positive_nan(values):
+    """``values`` (E4M3) with each NaN as 0x7F: compressed-tensors casts them back to the weight's
+    dtype and again to E4M3, and that round trip drops a NaN's sign (0xFF); other values are exact."""
+    import torch
+
+    raw = values.contiguous().view(torch.uint8)
+    return torch.where(raw == 0xFF, torch.tensor(0x7F, dtype=torch.uint8, device=raw.device), raw)

@@ -76,8 +76,14 @@ FUSED = (
     (r"^(?P<prefix>.+?)\.w1\.weight$", ("{prefix}.w3.weight",)),
 )  # fmt: skip
 
-# The ignore entries users normally pass (llm-compressor's examples): the output head, and a MoE router.
-USUAL_IGNORE = ("lm_head", "re:.*mlp.gate$")
+# What stays in its dtype by default, as llm-compressor's examples leave it and vLLM never quantizes
+# it: the output head (``--quantize-lm-head`` quantizes it), the input embeddings (added by name,
+# below) and a MoE router; norms are never targets. Written first in the config's ``ignore``.
+HEAD = "lm_head"
+ROUTER = "re:.*mlp.gate$"
+# The last part of an input embedding's module name, in transformers' models (Llama, Qwen, Mistral,
+# DeepSeek, Gemma: embed_tokens; GPT-2: wte, wpe; BERT-likes: word_embeddings; GPT-NeoX: embed_in).
+EMBEDDINGS = ("embed_tokens", "wte", "wpe", "word_embeddings", "tok_embeddings", "embed_in")
 
 
 def quantization_config(scheme: str, ignore: list[str]) -> dict:

@@ -4,9 +4,11 @@ into which tensors (compressed-tensors' names, dtypes and shapes), applied to a 
 Targets, as ``match_quantizable_tensors`` picks them (compressed-tensors 0.19, utils/match.py):
 every ``<module>.weight`` whose module name does not end in ``norm`` and matches no ignore
 entry (a plain entry equals the module name; a ``re:`` entry is ``re.match``ed from its start).
-Names are the output's (after the rules), as model_free_ptq would see them in the rewritten
-checkpoint. A target must be a 2-D float tensor: anything else is refused with the ignore entry
-that would leave it out, and so is a source that is already quantized.
+The ignore list starts with the defaults (layout.HEAD, the embeddings found by name, layout.ROUTER:
+what serves, the Linear weights only), then the user's entries; it is model_free_ptq's ``ignore``
+and the config's. Names are the output's (after the rules), as model_free_ptq would see them in
+the rewritten checkpoint. A target must be a 2-D float tensor: anything else is refused with the
+ignore entry that would leave it out, and so is a source that is already quantized.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from streamck.dtypes import CASTABLE
 from streamck.errors import PlanError, UsageError, listing
 from streamck.plan.compile import OutputTensor, Plan
 from streamck.plan.quant.fp4 import fp4_outputs, fp4_unfit
-from streamck.plan.quant.layout import NOT_YET, SCHEMES, USUAL_IGNORE, output_config, quantization_config
+from streamck.plan.quant.layout import (
+    EMBEDDINGS,
+    HEAD,
+    NOT_YET,
+    ROUTER,
+    SCHEMES,
+    output_config,
+    quantization_config,
+)
 from streamck.transforms.quantize import TILE, Fp8
 
 
@@ -47,18 +57,45 @@ def _matches(module: str, entry: str) -> bool:
     return entry == module
 
 
-def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
-    """``plan`` with every target weight replaced by its quantized tensors and config.json given
-    the scheme's ``quantization_config``. Raises UsageError (unknown scheme, bad pattern) or
-    PlanError (an already-quantized source, a target the scheme cannot take)."""
-    scheme = check_scheme(scheme)
-    for entry in ignore:
+def ignore_list(plan: Plan, given: list[str], lm_head: bool = False) -> list[str]:
+    """The ignore entries: the defaults (the head unless ``lm_head``, the embeddings present, the
+    router pattern), then ``given`` (repeats dropped). A given entry that matches no module of
+    the output gets a notice; ``lm_head`` where the head is tied to the embeddings is refused."""
+    for entry in given:
         if entry.startswith("re:"):
             try:
                 re.compile(entry[3:])
             except re.error as e:
                 raise UsageError(f"--quantize-ignore {entry!r}: {e}") from None
+    modules = {t.name.rpartition(".")[0] for t in plan.tensors}
+    if lm_head:
+        _check_head(plan, modules, given)
+    embeddings = sorted(m for m in modules if m.rpartition(".")[2] in EMBEDDINGS)
+    defaults = [*([] if lm_head else [HEAD]), *embeddings, ROUTER]
+    for entry in given:
+        if entry not in defaults and not any(_matches(m, entry) for m in modules):
+            plan.notices.append(f"--quantize-ignore {entry!r} matches no module of the output; it leaves nothing out")
+    return list(dict.fromkeys([*defaults, *given]))
+
+
+def _check_head(plan: Plan, modules: set[str], given: list[str]) -> None:
+    """--quantize-lm-head needs an lm_head of its own: not also ignored, not tied to the embeddings."""
+    if HEAD in given:
+        raise UsageError("--quantize-lm-head and --quantize-ignore lm_head contradict each other")
+    config = output_config(plan, beside_source=True) or {}
+    if HEAD not in modules or config.get("tie_word_embeddings") is True:
+        why = "config.json ties it to the embeddings" if HEAD in modules else "the output has no lm_head.weight"
+        raise PlanError(f"--quantize-lm-head: {why}, and the embeddings stay in their dtype; nothing to quantize")
+
+
+def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = False) -> Plan:
+    """``plan`` with every target weight replaced by its quantized tensors and config.json given
+    the scheme's ``quantization_config``; ``ignore`` adds to the defaults (ignore_list), ``lm_head``
+    quantizes the output head too. Raises UsageError (unknown scheme, bad pattern) or PlanError
+    (an already-quantized source, a target the scheme cannot take)."""
+    scheme = check_scheme(scheme)
     _refuse_quantized(plan)
+    ignore = ignore_list(plan, ignore, lm_head)
     strategy = SCHEMES[scheme][0]
     tensors: list[OutputTensor] = []
     targets: list[OutputTensor] = []
@@ -81,6 +118,15 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
             f"leave them out with --quantize-ignore {first!r} (or a 're:' pattern)"
         )
     count = len(targets)
+    wide = [t.dtype for t in tensors if t.transform is None and t.dtype in WIDE]
+    if strategy in ("tensor_group", "group") and wide:  # see WIDE
+        tensors = [replace(t, dtype="BF16") if t.transform is None and t.dtype in WIDE else t for t in tensors]
+        plan.notices.append(
+            f"--quantize {scheme}: the {len(wide)} other {'/'.join(sorted(set(wide)))} tensors and config.json's "
+            "dtype written in bf16, as transformers runs the FP4 weights (decompressed to bf16)"
+        )
+    if strategy == "block":
+        _note_partial_tiles(plan, targets)
     if strategy in ("tensor_group", "group"):
         tensors.extend(fp4_outputs(targets, strategy, {t.name for t in plan.tensors}))
     else:
@@ -95,14 +141,32 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str]) -> Plan:
     config = output_config(plan)
     if config is not None:
         config["quantization_config"] = quantization_config(scheme, ignore)
+        if wide and strategy in ("tensor_group", "group"):
+            config.update(dict.fromkeys([k for k in ("torch_dtype", "dtype") if k in config] or ["dtype"], "bfloat16"))
         body = json.dumps(config, indent=2, sort_keys=True).encode()
         (files if "config.json" in files else side)["config.json"] = body
         summary.append("config.json: quantization_config added (keys sorted, as model_free_ptq writes it)")
     elif not plan.source.path.is_file():
         plan.notices.append("no config.json beside the weights: vLLM needs its quantization_config")
-    if not any(_matches(m, e) for e in ignore for m in ("lm_head",)):
-        plan.notices.append(f"lm_head is quantized too; users normally pass --quantize-ignore for {USUAL_IGNORE}")
     return replace(plan, tensors=tensors, files=files, side_files=side, summary=[*plan.summary, *summary])
+
+
+# Float dtypes that FP4's A16 schemes write in bf16 beside the packed weights: compressed-tensors
+# decompresses FP4 weights to bf16, and transformers' forward multiplies them with activations of
+# the model's dtype (float32 or float16 against bf16 fails).
+WIDE = ("F32", "F64", "F16")
+
+
+def _note_partial_tiles(plan: Plan, targets: list[OutputTensor]) -> None:
+    """A notice naming FP8_BLOCK targets with a side no multiple of 128: written as model_free_ptq
+    pads them, but compressed-tensors 0.19 refuses to decompress such tiles (transformers cannot load them)."""
+    partial = [f"{t.name} {list(t.shape)}" for t in targets if t.shape[0] % TILE or t.shape[1] % TILE]
+    if partial:
+        plan.notices.append(
+            f"--quantize FP8_BLOCK: {len(partial)} weights have a side no multiple of 128 ({listing(partial, 3)}): "
+            "compressed-tensors 0.19 (transformers) cannot load their partial tiles; "
+            "--quantize-ignore them to load there"
+        )
 
 
 def _quantized(t: OutputTensor, strategy: str) -> list[OutputTensor]:
