@@ -19,9 +19,9 @@ def zero_cases(request, tmp_path_factory) -> dict[str, dict]:
     """Real DeepSpeed ZeRO-1/2/3 checkpoints with zero_to_fp32's output beside each, made
     once (tests/zero_fixtures.py) and kept in pytest's cache between sessions."""
     import zero_fixtures
+    from fixture_cache import fixture_root
 
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-zero")) if cache is not None else tmp_path_factory.mktemp("zero")
+    root = fixture_root(tmp_path_factory, "zero", "tests/zero_fixtures.py")
     return {c["name"]: c for c in zero_fixtures.make_zero_checkpoints(root)}
 
 
@@ -30,9 +30,9 @@ def trainer_cases(request, tmp_path_factory) -> dict[str, dict]:
     """Checkpoints written by HF Trainer + DeepSpeed under torchrun (tests/trainer_fixtures.py),
     made once and kept in pytest's cache between sessions."""
     import trainer_fixtures
+    from fixture_cache import fixture_root
 
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-trainer")) if cache is not None else tmp_path_factory.mktemp("trainer")
+    root = fixture_root(tmp_path_factory, "trainer", "tests/trainer_fixtures.py")
     return trainer_fixtures.make_trainer_checkpoints(root)
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from fixture_cache import built_once, fixture_root
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -111,22 +112,6 @@ def metadata_of(path: Path) -> dict[str, str] | None:
         return r.metadata()
 
 
-def built_once(base: Path, build) -> Path:
-    """``base``, made by ``build(folder)`` unless an earlier session finished it: built under
-    ``base.partial`` and renamed when done, so an interrupted build is never taken for one."""
-    import shutil
-
-    if not (base / "done").exists():
-        tmp = base.with_name(base.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        build(tmp)
-        (tmp / "done").write_text("ok\n")
-        shutil.rmtree(base, ignore_errors=True)
-        tmp.rename(base)
-    return base
-
-
 def says_the_plan(source: Path, plan: str, *plan_options) -> None:
     """Issue #36: a trainer's checkpoint that a built-in plan exports, rewritten without it,
     gets a note naming that plan (-q keeps it: it asks for action), and ``ls``'s summary
@@ -158,18 +143,14 @@ MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(REPO / ".venv" / "megatr
 
 def megatron_checkpoints(request, tmp_path_factory, script: str, what: str, torchrun: bool = False) -> dict[str, Path]:
     """The checkpoints tests/``script`` writes with megatron-core's own code (and bench/megatron_ckpt.py's
-    stand-ins) into a folder per model, made once per version of that code and kept in pytest's cache
-    (``streamck-{what}``); megatron-core is put on the child's path only. Skipped where it is not
-    unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2, else it starts its own."""
-    import hashlib
-
+    stand-ins) into a folder per model, made once per version of that code and of the installed packages
+    (fixture_cache: kept on the machine); megatron-core is put on the child's path only. Skipped where it
+    is not unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2, else it starts its own."""
     import pytest
 
     here = REPO / "tests"
-    code = b"".join(p.read_bytes() for p in (here / script, REPO / "bench" / "megatron_ckpt.py"))
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir(f"streamck-{what}")) if cache is not None else tmp_path_factory.mktemp(what)
-    base = root / f"{what}-{hashlib.sha256(code).hexdigest()[:12]}"
+    code = (here / script, REPO / "bench" / "megatron_ckpt.py", REPO / "bench" / "standins.py")
+    base = fixture_root(tmp_path_factory, what, *code) / what
     if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
         pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
 
