@@ -43,3 +43,12 @@ def dcp_trainers(tmp_path_factory) -> dict[str, Path]:
     from dcp_trainers import make_trainer_checkpoints
 
     return make_trainer_checkpoints(tmp_path_factory.mktemp("dcp_trainers"))
+
+
+@pytest.fixture(scope="session")
+def moe_saves(tmp_path_factory):
+    """Each MoE family's tiny model, save_pretrained folder and runtime save, made once for every
+    test that only reads them (tests/test_moe_families.py, test_moe_fp32.py)."""
+    from moe_models import Saves
+
+    return Saves(tmp_path_factory.mktemp("moe-saves"))
