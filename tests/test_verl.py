@@ -20,7 +20,7 @@ PLAIN = [c["name"] for c in verl_fixtures.cases() if not c["lora"]]
 @pytest.fixture(scope="session")
 def verl_cases(request, tmp_path_factory) -> dict[str, dict]:
     """verl runs under torchrun, made once and kept in pytest's cache between sessions."""
-    root = fixture_root(tmp_path_factory, "verl", "tests/verl_fixtures.py", "tests/verl_child.py")
+    root = fixture_root(tmp_path_factory, "verl", *verl_fixtures.CODE)
     return verl_fixtures.make_verl_checkpoints(root)
 
 
