@@ -6,6 +6,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The producer fixtures this run built (tests/fixture_cache.py), with their seconds: what a warm run saves."""
+    from fixture_cache import BUILT
+
+    for entry, seconds in BUILT:
+        terminalreporter.write_line(f"fixture built: {entry} in {seconds:.0f} s")
+
+
 @pytest.fixture(scope="session")
 def dcp_ckpts(tmp_path_factory):
     """Real DCP checkpoints in three layouts, written once per session by torch (tests/dcp_fixtures.py)."""

@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE_ENV, COLD_ENV = "STREAMCK_FIXTURE_CACHE", "STREAMCK_COLD_FIXTURES"
 STALE_DAYS = 14  # entries of a fixture unused this long are removed when a new one of it is built
+BUILT: list[tuple[str, float]] = []  # (entry, seconds) built by this process, for the run's summary
 
 
 def cold() -> bool:
@@ -113,8 +114,11 @@ def built_once(base: Path, build: Callable[[Path], object]) -> Path:
             for stale in base.parent.glob(base.name + ".partial*"):  # left by a build that died
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = Path(tempfile.mkdtemp(prefix=base.name + ".partial-", dir=base.parent))
+            start = time.monotonic()
             build(tmp)
-            (tmp / "done").write_text(json.dumps({"files": _manifest(tmp)}) + "\n")
+            seconds = round(time.monotonic() - start, 1)
+            BUILT.append((f"{base.parent.name}/{base.name}", seconds))
+            (tmp / "done").write_text(json.dumps({"seconds": seconds, "files": _manifest(tmp)}) + "\n")
             shutil.rmtree(base, ignore_errors=True)
             tmp.rename(base)
             if base.parent.parent == cache_dir():

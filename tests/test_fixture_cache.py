@@ -21,6 +21,7 @@ HERE = Path(__file__).parent
 def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("STREAMCK_FIXTURE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("STREAMCK_COLD_FIXTURES", raising=False)
+    monkeypatch.setattr(fixture_cache, "BUILT", [])  # the run's summary lists the real fixtures only
     return tmp_path / "cache"
 
 
@@ -38,6 +39,7 @@ def test_built_once_then_reused(cache, tmp_path_factory):
     base = fixture_root(tmp_path_factory, "demo", "tests/fixture_cache.py") / "demo"
     assert base.parent.parent == cache
     assert built_once(base, _builder(calls)) == base and len(calls) == 1
+    assert fixture_cache.BUILT[-1][0] == f"{base.parent.name}/demo"
     assert calls[0] != base and not calls[0].exists()  # built beside it, then renamed
     assert built_once(base, _builder(calls)) == base and len(calls) == 1
     assert (base / "case" / "weights.bin").read_bytes() == b"\1" * 64
