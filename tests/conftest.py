@@ -1,9 +1,15 @@
+import hashlib
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# DeepSpeed compiles its CPU ops on first use into torch's extensions folder, with this venv's paths
+# in the build file: one folder per venv path, so that checkouts do not rebuild over each other's (#45).
+_venv = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" / f"venv-{_venv}"))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
