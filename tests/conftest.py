@@ -31,7 +31,7 @@ def dcp_ckpts(tmp_path_factory):
 @pytest.fixture(scope="session")
 def zero_cases(request, tmp_path_factory) -> dict[str, dict]:
     """Real DeepSpeed ZeRO-1/2/3 checkpoints with zero_to_fp32's output beside each, made
-    once (tests/zero_fixtures.py) and kept in pytest's cache between sessions."""
+    once (tests/zero_fixtures.py) and kept on the machine (tests/fixture_cache.py)."""
     import zero_fixtures
     from fixture_cache import fixture_root
 
@@ -42,7 +42,7 @@ def zero_cases(request, tmp_path_factory) -> dict[str, dict]:
 @pytest.fixture(scope="session")
 def trainer_cases(request, tmp_path_factory) -> dict[str, dict]:
     """Checkpoints written by HF Trainer + DeepSpeed under torchrun (tests/trainer_fixtures.py),
-    made once and kept in pytest's cache between sessions."""
+    made once and kept on the machine (tests/fixture_cache.py)."""
     import trainer_fixtures
     from fixture_cache import fixture_root
 

@@ -22,8 +22,8 @@ SHARDED = [c["name"] for c in fsdp_fixtures.cases() if c["state_dict_type"] == "
 
 @pytest.fixture(scope="session")
 def fsdp_cases(request, tmp_path_factory) -> dict[str, dict]:
-    """Trainer + FSDP runs under torchrun (tests/fsdp_fixtures.py), made once and kept in
-    pytest's cache between sessions."""
+    """Trainer + FSDP runs under torchrun (tests/fsdp_fixtures.py), made once and kept on
+    the machine (tests/fixture_cache.py)."""
     root = fixture_root(tmp_path_factory, "fsdp", "tests/fsdp_fixtures.py", "tests/trainer_fixtures.py")
     return fsdp_fixtures.make_fsdp_checkpoints(root)
 

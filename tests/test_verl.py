@@ -19,7 +19,7 @@ PLAIN = [c["name"] for c in verl_fixtures.cases() if not c["lora"]]
 
 @pytest.fixture(scope="session")
 def verl_cases(request, tmp_path_factory) -> dict[str, dict]:
-    """verl runs under torchrun, made once and kept in pytest's cache between sessions."""
+    """verl runs under torchrun, made once and kept on the machine (tests/fixture_cache.py)."""
     root = fixture_root(tmp_path_factory, "verl", *verl_fixtures.CODE)
     return verl_fixtures.make_verl_checkpoints(root)
 
