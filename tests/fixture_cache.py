@@ -48,9 +48,10 @@ def installed() -> str:
     """The Python version and every distribution installed in this interpreter's path and in
     ``.venv``'s own venvs and unpacked folders (verl's venv, megatron-core, OLMo-core…), hashed."""
     folders = [Path(entry or ".") for entry in sys.path]
-    names = {str(p) for folder in folders if folder.is_dir() for p in folder.glob("*.dist-info")}
+    names = {p.name for folder in folders if folder.is_dir() for p in folder.glob("*.dist-info")}  # not where: a
+    venv = REPO / ".venv"  # clone elsewhere on the machine, with the same versions, shares the entries
     for pattern in ("*/*.dist-info", "*/lib/python*/site-packages/*.dist-info"):
-        names.update(str(p) for p in (REPO / ".venv").glob(pattern))
+        names.update(str(p.relative_to(venv)) for p in venv.glob(pattern))
     text = "\n".join([sys.version, *sorted(names)])
     return hashlib.sha256(text.encode()).hexdigest()
 

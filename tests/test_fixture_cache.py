@@ -138,4 +138,17 @@ def torch_version() -> str:
 
 
 def _names() -> list[str]:
-    return [str(p) for entry in sys.path if Path(entry or ".").is_dir() for p in Path(entry or ".").glob("*.dist-info")]
+    return [p.name for entry in sys.path if Path(entry or ".").is_dir() for p in Path(entry or ".").glob("*.dist-info")]
+
+
+def test_the_key_is_the_same_from_another_clone(tmp_path):
+    """A clone elsewhere on the machine (its own .venv, the same versions) gets the same key."""
+    code = "import fixture_cache; print(fixture_cache.installed())"
+    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, check=True)
+    clone = tmp_path / "clone"
+    (clone / "tests").mkdir(parents=True)
+    (clone / "tests" / "fixture_cache.py").write_bytes((HERE / "fixture_cache.py").read_bytes())
+    (clone / ".venv").symlink_to(HERE.parent / ".venv")
+    python = clone / ".venv" / "bin" / "python"  # its site-packages seen under the clone's path
+    there = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=clone / "tests", check=True)
+    assert here.stdout.strip() == there.stdout.strip() != ""
