@@ -115,6 +115,7 @@ def built_once(base: Path, build: Callable[[Path], object]) -> Path:
             for stale in base.parent.glob(base.name + ".partial*"):  # left by a build that died
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = Path(tempfile.mkdtemp(prefix=base.name + ".partial-", dir=base.parent))
+            tmp.chmod(0o755)  # mkdtemp's 0700 would keep the entry from other users of the machine
             start = time.monotonic()
             build(tmp)
             seconds = round(time.monotonic() - start, 1)
