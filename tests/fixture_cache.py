@@ -99,7 +99,7 @@ def _prune(base: Path) -> None:
     """Remove other entries of the same fixture (``what-*``) not used for STALE_DAYS."""
     what = base.parent.name.rsplit("-", 1)[0]
     cutoff = time.time() - STALE_DAYS * 86400
-    for other in base.parent.parent.glob(f"{what}-*"):
+    for other in base.parent.parent.glob(f"{what}-" + "?" * 16):  # not titan-moe-… for titan
         used = other / ".used"
         if other != base.parent and other.is_dir() and (not used.exists() or used.stat().st_mtime < cutoff):
             shutil.rmtree(other, ignore_errors=True)

@@ -4,6 +4,7 @@ follows the fixture's code, and STREAMCK_COLD_FIXTURES builds afresh outside the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,17 @@ def test_the_key_is_the_same_from_another_clone(tmp_path):
     python = clone / ".venv" / "bin" / "python"  # its site-packages seen under the clone's path
     there = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=clone / "tests", check=True)
     assert here.stdout.strip() == there.stdout.strip() != ""
+
+
+def test_unused_entries_of_that_fixture_are_pruned(cache, tmp_path_factory):
+    """Building an entry removes the same fixture's entries unused for STALE_DAYS, no other's."""
+    old = cache / "demo-0123456789abcdef"
+    other = cache / "demo-other-0123456789abcdef"
+    for d in (old, other):
+        (d / "x").mkdir(parents=True)
+        (d / ".used").touch()
+        stale = time.time() - (fixture_cache.STALE_DAYS + 1) * 86400
+        os.utime(d / ".used", (stale, stale))
+    base = fixture_root(tmp_path_factory, "demo", "tests/fixture_cache.py") / "demo"
+    built_once(base, _builder([]))
+    assert not old.exists() and other.exists() and base.exists()
