@@ -59,12 +59,12 @@ def installed() -> str:
 def fixture_root(tmp_path_factory, what: str, *code: Path | str) -> Path:
     """The folder fixture ``what`` is built in: its cache entry for this ``code`` (files, relative
     to the repository or absolute) and the installed packages, or a fresh temp dir when cold."""
-    if cold():
-        return Path(tmp_path_factory.mktemp(what))
     digest = hashlib.sha256(installed().encode())
     for path in sorted(REPO / p for p in code):
         digest.update(f"\0{path.name}\0".encode() + path.read_bytes())
-    root = cache_dir() / f"{what}-{digest.hexdigest()[:16]}"
+    # cold: in this run's temp dir, still once per run (the test files that import one fixture share it)
+    where = Path(tmp_path_factory.getbasetemp()) / "cold-fixtures" if cold() else cache_dir()
+    root = where / f"{what}-{digest.hexdigest()[:16]}"
     root.mkdir(parents=True, exist_ok=True)
     return root
 
