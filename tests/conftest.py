@@ -1,9 +1,48 @@
+import hashlib
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# DeepSpeed compiles its CPU ops on first use into torch's extensions folder, with this venv's paths
+# in the build file: one folder per venv path, so that checkouts do not rebuild over each other's (#45).
+_venv = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" / f"venv-{_venv}"))
+
+
+def _clear_stale_build_locks(root: Path) -> None:
+    """Remove the ``lock`` files that killed builds left in torch's extensions folder ``root``.
+
+    torch's JIT build lock is a bare file with no owner: a build killed mid-way (a fixture's
+    ``timeout``, a cancelled run) leaves it, and every later DeepSpeed op load waits on it forever
+    (a CI run hung 90 minutes on one). A session that holds ``root``'s flock alone has no other
+    session building there, so every lock it finds is stale; it then keeps a shared flock for its
+    whole run, so a second session started meanwhile removes nothing."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".streamck-session", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass
+    else:
+        for lock in root.glob("*/lock"):
+            lock.unlink(missing_ok=True)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # held (fd left open) until this process exits
+
+
+_clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The producer fixtures this run built (tests/fixture_cache.py), with their seconds: what a warm run saves."""
+    from fixture_cache import BUILT
+
+    for entry, seconds in BUILT:
+        terminalreporter.write_line(f"fixture built: {entry} in {seconds:.0f} s")
 
 
 @pytest.fixture(scope="session")
@@ -17,22 +56,22 @@ def dcp_ckpts(tmp_path_factory):
 @pytest.fixture(scope="session")
 def zero_cases(request, tmp_path_factory) -> dict[str, dict]:
     """Real DeepSpeed ZeRO-1/2/3 checkpoints with zero_to_fp32's output beside each, made
-    once (tests/zero_fixtures.py) and kept in pytest's cache between sessions."""
+    once (tests/zero_fixtures.py) and kept on the machine (tests/fixture_cache.py)."""
     import zero_fixtures
+    from fixture_cache import fixture_root
 
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-zero")) if cache is not None else tmp_path_factory.mktemp("zero")
+    root = fixture_root(tmp_path_factory, "zero", "tests/zero_fixtures.py")
     return {c["name"]: c for c in zero_fixtures.make_zero_checkpoints(root)}
 
 
 @pytest.fixture(scope="session")
 def trainer_cases(request, tmp_path_factory) -> dict[str, dict]:
     """Checkpoints written by HF Trainer + DeepSpeed under torchrun (tests/trainer_fixtures.py),
-    made once and kept in pytest's cache between sessions."""
+    made once and kept on the machine (tests/fixture_cache.py)."""
     import trainer_fixtures
+    from fixture_cache import fixture_root
 
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-trainer")) if cache is not None else tmp_path_factory.mktemp("trainer")
+    root = fixture_root(tmp_path_factory, "trainer", "tests/trainer_fixtures.py")
     return trainer_fixtures.make_trainer_checkpoints(root)
 
 
@@ -43,3 +82,12 @@ def dcp_trainers(tmp_path_factory) -> dict[str, Path]:
     from dcp_trainers import make_trainer_checkpoints
 
     return make_trainer_checkpoints(tmp_path_factory.mktemp("dcp_trainers"))
+
+
+@pytest.fixture(scope="session")
+def moe_saves(tmp_path_factory):
+    """Each MoE family's tiny model, save_pretrained folder and runtime save, made once for every
+    test that only reads them (tests/test_moe_families.py, test_moe_fp32.py)."""
+    from moe_models import Saves
+
+    return Saves(tmp_path_factory.mktemp("moe-saves"))

@@ -4,14 +4,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import built_once, cli, fixture_root
 from quant_fixtures import DRIVER as QUANT_DRIVER
 from quant_fixtures import run_oracle
 
@@ -29,13 +28,12 @@ def run_dequant_oracle(*args) -> None:
 
 
 @pytest.fixture(scope="session")
-def native(request, quant) -> Path:
+def native(tmp_path_factory, quant) -> Path:
     """A folder of the native layouts: ``gptoss`` (MXFP4 experts) with transformers' dequantized load of
     it (``gptoss-bf16.safetensors``, ``gptoss-f32.safetensors``); ``ct128`` (model_free_ptq FP8_BLOCK of a
     Llama whose weights are 128 columns wide or less); ``fp8-partial`` and ``moe-fp8`` (FineGrainedFP8 with
     partial tiles, and per expert: tests/dequant_oracles.py relabel); ``ue8m0`` (E8M0 scales)."""
-    digest = hashlib.sha256(DRIVER.read_bytes() + QUANT_DRIVER.read_bytes()).hexdigest()[:12]
-    root = Path(request.config.cache.mkdir("streamck-dequant"))
+    root = fixture_root(tmp_path_factory, "dequant", DRIVER, QUANT_DRIVER, HERE / "quant_fixtures.py")
 
     def build(tmp: Path) -> None:
         run_dequant_oracle("gptoss", tmp / "gptoss")
@@ -47,7 +45,7 @@ def native(request, quant) -> Path:
         run_dequant_oracle("relabel", quant / "qwen3moe-FP8_BLOCK", tmp / "moe-fp8")
         run_dequant_oracle("ue8m0", quant / "llama384", tmp / "ue8m0")
 
-    return built_once(root / f"dequant-{digest}", build)
+    return built_once(root / "dequant", build)
 
 
 def dequantized(src: Path, dtype: str, tmp: Path, oracle: str, *flags: str) -> tuple[dict, dict]:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from fixture_cache import built_once, fixture_root
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -25,6 +26,24 @@ def cli(*args, check: int | None = None, text: bool = True, cwd=None, env=None, 
     if check is not None:
         assert proc.returncode == check, proc.stderr
     return proc
+
+
+def run_bench(*args: str, env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
+    """``bench/run.py ARGS`` in a session of its own, output captured; on ``timeout`` the whole
+    process group (its torchrun ranks too) is killed and the test fails, instead of waiting on a
+    hung rank for ever."""
+    import signal
+
+    cmd = [sys.executable, str(REPO / "bench" / "run.py"), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"bench/run.py {' '.join(args)}: no end after {timeout} s\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def save(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> Path:
@@ -111,22 +130,6 @@ def metadata_of(path: Path) -> dict[str, str] | None:
         return r.metadata()
 
 
-def built_once(base: Path, build) -> Path:
-    """``base``, made by ``build(folder)`` unless an earlier session finished it: built under
-    ``base.partial`` and renamed when done, so an interrupted build is never taken for one."""
-    import shutil
-
-    if not (base / "done").exists():
-        tmp = base.with_name(base.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        build(tmp)
-        (tmp / "done").write_text("ok\n")
-        shutil.rmtree(base, ignore_errors=True)
-        tmp.rename(base)
-    return base
-
-
 def says_the_plan(source: Path, plan: str, *plan_options) -> None:
     """Issue #36: a trainer's checkpoint that a built-in plan exports, rewritten without it,
     gets a note naming that plan (-q keeps it: it asks for action), and ``ls``'s summary
@@ -161,19 +164,14 @@ def megatron_checkpoints(
 ) -> dict[str, Path]:
     """The checkpoints tests/``script`` writes with megatron-core's own code (and the stand-ins and steps of
     bench/megatron_ckpt.py and megatron_loop.py) into a folder per model, made once per version of that
-    code and kept in pytest's cache (``streamck-{what}``); megatron-core is put on the child's path only.
-    Skipped where it is not unpacked (scripts/test does it). ``torchrun``: the script is one rank of 2
-    (of ``torchrun`` when a number), else it starts its own."""
-    import hashlib
-
+    code and of the installed packages (fixture_cache: kept on the machine); megatron-core is put on the
+    child's path only. Skipped where it is not unpacked (scripts/test does it). ``torchrun``: the script is
+    one rank of 2 (of ``torchrun`` when a number), else it starts its own."""
     import pytest
 
     here = REPO / "tests"
     shared = [REPO / "bench" / name for name in ("megatron_ckpt.py", "megatron_loop.py", "standins.py")]
-    code = b"".join(p.read_bytes() for p in (here / script, *shared))
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir(f"streamck-{what}")) if cache is not None else tmp_path_factory.mktemp(what)
-    base = root / f"{what}-{hashlib.sha256(code).hexdigest()[:12]}"
+    base = fixture_root(tmp_path_factory, what, here / script, *shared) / what
     if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
         pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
 

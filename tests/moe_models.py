@@ -157,3 +157,41 @@ def logits(model):
     ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % VOCAB
     with torch.no_grad():
         return model(input_ids=ids, use_cache=False).logits
+
+
+def runtime_save(model, d):
+    """What a trainer saving ``model.state_dict()`` leaves in ``d``: the runtime names, config.json beside."""
+    from safetensors.torch import save_file
+
+    d.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, d / "model.safetensors")
+    model.config.save_pretrained(d)
+    return d
+
+
+class Saves:
+    """tiny_model of each family with its save_pretrained folder (``hf``) and a trainer's runtime save
+    (``runtime``), each made once, on first use, under ``root``: the tests that only read them share
+    one (tests/conftest.py ``moe_saves``); a test that changes a file makes its own."""
+
+    def __init__(self, root):
+        self.root, self.models = root, {}
+
+    def model(self, model_type: str):
+        if model_type not in self.models:
+            self.models[model_type] = tiny_model(model_type)
+        return self.models[model_type]
+
+    def hf(self, model_type: str):
+        d = self.root / model_type / "hf"
+        if not d.exists():
+            self.model(model_type).save_pretrained(d.with_name("hf.partial"))  # renamed when whole
+            d.with_name("hf.partial").rename(d)
+        return d
+
+    def runtime(self, model_type: str):
+        d = self.root / model_type / "runtime"
+        if not d.exists():
+            d.parent.mkdir(exist_ok=True)
+            runtime_save(self.model(model_type), d.with_name("runtime.partial")).rename(d)
+        return d

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once
+from helpers import built_once, fixture_root
 
 HERE = Path(__file__).parent
 DRIVER = HERE / "quant_oracles.py"
@@ -51,8 +51,7 @@ def quant(request, tmp_path_factory) -> Path:
     (PTQ_CASES, by case name) and a DeepSeek-layout FP8 llama (ds-fp8)."""
     pytest.importorskip("llmcompressor", reason="llmcompressor==0.14.0.1 (scripts/test installs it)")
     digest = hashlib.sha256(DRIVER.read_bytes() + repr(PTQ_CASES).encode()).hexdigest()[:12]
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-quant")) if cache is not None else tmp_path_factory.mktemp("quant")
+    root = fixture_root(tmp_path_factory, "quant", DRIVER, Path(__file__))
 
     def build(tmp: Path) -> None:
         run_oracle("bases", tmp)

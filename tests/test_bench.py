@@ -1,11 +1,8 @@
 """The benchmark harness stays runnable: its cheapest cases at toy sizes (figures not checked)."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "run.py"
+from helpers import run_bench
 
 
 def test_bench_cases_run_at_toy_sizes(tmp_path):
@@ -32,12 +29,7 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         "32",
         "--no-record",
     ]
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "BENCH_DIR": str(tmp_path)},
-    )
+    proc = run_bench(*args, env={**os.environ, "BENCH_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     for case in ("rewrite", "index", "lsdiff", "eagle4", "view", "dcpview"):
         assert f"## {case}" in proc.stdout
@@ -47,12 +39,7 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
 def test_bench_dcp_and_zero_cases_run_at_toy_sizes(tmp_path):
     """Real checkpoints from torch DCP (2 gloo ranks) and DeepSpeed ZeRO-3 (2 CPU ranks), toy size."""
     args = ["dcp", "zero", "--size", "8MiB", "--reps", "1", "--settle", "0", "--no-record"]
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "BENCH_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"},
-    )
+    proc = run_bench(*args, env={**os.environ, "BENCH_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     dcp, zero = proc.stdout.split("## zero")
     assert "| torch consolidate_safetensors_files |" in dcp and "| torch dcp_to_torch_save (.distcp) |" in dcp
@@ -65,6 +52,6 @@ def test_bench_fsdp_case_runs_at_toy_size(tmp_path):
     streamck write the same tensors (the case checks that itself)."""
     args = ["fsdp", "--size", "8MiB", "--reps", "1", "--settle", "0", "--no-record"]
     env = {**os.environ, "BENCH_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env)
+    proc = run_bench(*args, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| accelerate merge-weights |" in proc.stdout and "| streamck rewrite checkpoint-N |" in proc.stdout

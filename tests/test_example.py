@@ -15,9 +15,9 @@ TEST_TOOLS = ("torch", "deepspeed", "ray", "transformers", "accelerate", "peft",
 
 
 def _installs(script: str) -> list[list[str]]:
-    """The arguments of every ``pip install`` in ``script`` (continued lines joined)."""
-    joined = script.replace("\\\n", " ")
-    return [shlex.split(line.split("pip install", 1)[1]) for line in joined.splitlines() if "pip install" in line]
+    """The arguments of every ``pip install`` (scripts/test: ``uv_install``) in ``script``, continued lines joined."""
+    joined, verb = script.replace("\\\n", " "), re.compile(r"pip install|uv_install ")
+    return [shlex.split(verb.split(line, maxsplit=1)[1]) for line in joined.splitlines() if verb.search(line)]
 
 
 def test_the_example_installs_only_streamck():

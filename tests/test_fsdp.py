@@ -12,7 +12,7 @@ from pathlib import Path
 import fsdp_fixtures
 import pytest
 import torch
-from helpers import cli
+from helpers import cli, fixture_root
 from safetensors.torch import load_file
 
 from streamck import open_checkpoint
@@ -22,10 +22,9 @@ SHARDED = [c["name"] for c in fsdp_fixtures.cases() if c["state_dict_type"] == "
 
 @pytest.fixture(scope="session")
 def fsdp_cases(request, tmp_path_factory) -> dict[str, dict]:
-    """Trainer + FSDP runs under torchrun (tests/fsdp_fixtures.py), made once and kept in
-    pytest's cache between sessions."""
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-fsdp")) if cache is not None else tmp_path_factory.mktemp("fsdp")
+    """Trainer + FSDP runs under torchrun (tests/fsdp_fixtures.py), made once and kept on
+    the machine (tests/fixture_cache.py)."""
+    root = fixture_root(tmp_path_factory, "fsdp", "tests/fsdp_fixtures.py", "tests/trainer_fixtures.py")
     return fsdp_fixtures.make_fsdp_checkpoints(root)
 
 

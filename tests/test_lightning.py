@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import cli, fixture_root
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning", reason="lightning==2.6.1 (scripts/test installs it)")
@@ -23,8 +23,7 @@ MODEL = ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
 def lit(request, tmp_path_factory) -> Path:
     from lightning_fixtures import make_lightning_checkpoints
 
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-lightning")) if cache is not None else tmp_path_factory.mktemp("lightning")
+    root = fixture_root(tmp_path_factory, "lightning", "tests/lightning_fixtures.py", "tests/trainer_fixtures.py")
     return make_lightning_checkpoints(root)
 
 

@@ -5,7 +5,6 @@ own TP=2 forward against transformers loading the output, and megatron-core's ow
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, missing, says_the_plan
+from helpers import built_once, cli, fixture_root, missing, says_the_plan
 from megatron_args import with_args
 
 torch = pytest.importorskip("torch")
@@ -28,12 +27,9 @@ MEGATRON = os.environ.get("STREAMCK_MEGATRON_PATH", str(HERE.parent / ".venv" / 
 
 @pytest.fixture(scope="session")
 def megatron(request, tmp_path_factory) -> dict[str, Path]:
-    """The fixture run folders by model name, built once per fixture-script version (cached)."""
-    code = (BENCH / "megatron_ckpt.py").read_bytes() + (BENCH / "standins.py").read_bytes()
-    digest = hashlib.sha256(code).hexdigest()[:12]
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-megatron")) if cache is not None else tmp_path_factory.mktemp("megatron")
-    base = root / f"megatron-{digest}"
+    """The fixture run folders by model name, built once per version of the fixture script and of the
+    installed packages, kept on the machine (tests/fixture_cache.py)."""
+    base = fixture_root(tmp_path_factory, "megatron", BENCH / "megatron_ckpt.py", BENCH / "standins.py") / "megatron"
     if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
         missing(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
 

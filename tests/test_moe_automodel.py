@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import cli, missing
+from helpers import cli, fixture_root, missing
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -41,8 +41,8 @@ def runs(request, tmp_path_factory) -> Path:
         missing("nemo-automodel==0.7.0 (scripts/test installs it)")
     import automodel_moe_fixtures
 
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-automodel-moe")) if cache is not None else tmp_path_factory.mktemp("am-moe")
+    code = ("tests/automodel_moe_fixtures.py", "tests/moe_models.py", "tests/trainer_fixtures.py")
+    root = fixture_root(tmp_path_factory, "automodel-moe", *code)
     return automodel_moe_fixtures.make_automodel_moe_runs(root)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import cli
 from moe_models import logits, tiny_model
+from moe_models import runtime_save as _runtime_save
 from safetensors.torch import load_file, save_file
 
 import streamck
@@ -45,14 +46,6 @@ def test_every_fused_moe_family_is_known():
     assert set(FAMILIES) | set(REFUSED) <= set(types)
 
 
-def _runtime_save(model, d):
-    """What a trainer saving ``model.state_dict()`` leaves: the runtime names, config.json beside."""
-    d.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, d / "model.safetensors")
-    model.config.save_pretrained(d)
-    return d
-
-
 def _equal(got: dict, want: dict) -> None:
     assert set(got) == set(want), sorted(set(got) ^ set(want))[:10]
     for k, v in want.items():
@@ -60,36 +53,30 @@ def _equal(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_runtime_save_to_save_pretrained(model_type, tmp_path):
-    model = tiny_model(model_type)
-    src = _runtime_save(model, tmp_path / "runtime")
-    model.save_pretrained(tmp_path / "hf")
+def test_runtime_save_to_save_pretrained(model_type, moe_saves, tmp_path):
+    model, src, hf = moe_saves.model(model_type), moe_saves.runtime(model_type), moe_saves.hf(model_type)
     streamck.rewrite(src, tmp_path / "out")
-    _equal(load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors"))
+    _equal(load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors"))
     loaded, info = type(model).from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert torch.equal(logits(loaded.float().eval()), logits(model))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_fuse_experts_is_transformers_own_load(model_type, tmp_path):
-    model = tiny_model(model_type)
-    model.save_pretrained(tmp_path / "hf")
-    loaded = type(model).from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    streamck.rewrite(tmp_path / "hf", tmp_path / "fused", experts="fuse")
+def test_fuse_experts_is_transformers_own_load(model_type, moe_saves, tmp_path):
+    hf = moe_saves.hf(model_type)
+    loaded = type(moe_saves.model(model_type)).from_pretrained(hf, dtype=torch.float32)
+    streamck.rewrite(hf, tmp_path / "fused", experts="fuse")
     _equal(load_file(tmp_path / "fused" / "model.safetensors"), dict(loaded.state_dict()))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_ls_says_the_layout(model_type, tmp_path):
+def test_ls_says_the_layout(model_type, moe_saves):
     """ls names the experts of a trainer's runtime save and of save_pretrained's files, whatever
     the family names them (Granite-MoE's input_linear, Aria's experts.fc1 are fused too)."""
-    model = tiny_model(model_type)
-    src = _runtime_save(model, tmp_path / "runtime")
-    model.save_pretrained(tmp_path / "hf")
     kind = "per-expert" if FAMILIES[model_type].per_expert else "fused"
-    assert "MoE: 4 experts, fused (" in cli("ls", str(src), check=0).stdout
-    assert f"MoE: 4 experts, {kind} (" in cli("ls", str(tmp_path / "hf"), check=0).stdout
+    assert "MoE: 4 experts, fused (" in cli("ls", str(moe_saves.runtime(model_type)), check=0).stdout
+    assert f"MoE: 4 experts, {kind} (" in cli("ls", str(moe_saves.hf(model_type)), check=0).stdout
 
 
 def test_rewrite_says_fused_families_stay_fused(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import cli
 from moe_models import tiny_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import streamck
 from streamck.plan.moe.families import FAMILIES
@@ -20,9 +20,9 @@ TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_table_is_transformers_own(model_type):
+def test_table_is_transformers_own(model_type, moe_saves):
     """Each row's fp32 patterns are what the model's instance registers (its submodels' too)."""
-    model = tiny_model(model_type)
+    model = moe_saves.model(model_type)
     fam = FAMILIES[model_type]
     assert sorted(fam.fp32) == sorted(model._keep_in_fp32_modules_strict or ())
     assert sorted(fam.fp32_fp16) == sorted(model._keep_in_fp32_modules or ())
@@ -36,21 +36,16 @@ def _equal(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("dtype", sorted(TORCH))
 @pytest.mark.parametrize("model_type", KEEPING)
-def test_dtype_is_from_pretrained_in_that_dtype(model_type, dtype, tmp_path):
+def test_dtype_is_from_pretrained_in_that_dtype(model_type, dtype, moe_saves, tmp_path):
     """An fp32 save_pretrained folder and a trainer's runtime save, --dtype'd, equal what
     from_pretrained(dtype=...) then save_pretrained writes, float32 tensors and all."""
-    model = tiny_model(model_type)
-    model.save_pretrained(tmp_path / "hf")
-    type(model).from_pretrained(tmp_path / "hf", dtype=TORCH[dtype]).save_pretrained(tmp_path / "oracle")
+    hf, runtime = moe_saves.hf(model_type), moe_saves.runtime(model_type)
+    type(moe_saves.model(model_type)).from_pretrained(hf, dtype=TORCH[dtype]).save_pretrained(tmp_path / "oracle")
     want = load_file(tmp_path / "oracle" / "model.safetensors")
     if dtype == "bf16" and FAMILIES[model_type].fp32:  # the case this guards: something stays float32
         assert any(v.dtype == torch.float32 for v in want.values())
-    streamck.rewrite(tmp_path / "hf", tmp_path / "out", dtype=dtype)
+    streamck.rewrite(hf, tmp_path / "out", dtype=dtype)
     _equal(load_file(tmp_path / "out" / "model.safetensors"), want)
-    runtime = tmp_path / "runtime"
-    runtime.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, runtime / "model.safetensors")
-    model.config.save_pretrained(runtime)
     streamck.rewrite(runtime, tmp_path / "from_runtime", dtype=dtype)
     _equal(load_file(tmp_path / "from_runtime" / "model.safetensors"), want)
 

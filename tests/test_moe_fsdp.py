@@ -12,7 +12,7 @@ from pathlib import Path
 import moe_fixtures
 import pytest
 import torch
-from helpers import cli
+from helpers import cli, fixture_root
 from moe_models import logits, tiny_model
 from safetensors.torch import load_file
 
@@ -25,8 +25,8 @@ FAMILIES = moe_fixtures.FAMILIES
 
 @pytest.fixture(scope="session")
 def moe_runs(request, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-moe")) if cache is not None else tmp_path_factory.mktemp("moe")
+    code = ("tests/moe_fixtures.py", "tests/moe_models.py", "tests/fsdp_fixtures.py", "tests/trainer_fixtures.py")
+    root = fixture_root(tmp_path_factory, "moe-fsdp", *code)
     return moe_fixtures.make_moe_checkpoints(root)
 
 

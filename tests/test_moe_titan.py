@@ -6,7 +6,6 @@ load-balancing hook moved is refused: to_hf drops it and the model routes differ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import built_once, cli, fixture_root
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -27,10 +26,8 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="session")
 def titan_moe(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture folders by case, built once per fixture-script version (cached)."""
-    code = (HERE / "titan_moe_fixtures.py").read_bytes() + (HERE.parent / "bench" / "standins.py").read_bytes()
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-titan-moe")) if cache is not None else tmp_path_factory.mktemp("titan_moe")
-    base = root / f"titan-moe-{hashlib.sha256(code).hexdigest()[:12]}"
+    code = (HERE / "titan_moe_fixtures.py", HERE.parent / "bench" / "standins.py")
+    base = fixture_root(tmp_path_factory, "titan-moe", *code) / "titan-moe"
 
     def build(tmp: Path) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

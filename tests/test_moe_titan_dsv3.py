@@ -7,7 +7,6 @@ saved model (experts in fp32)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli
+from helpers import built_once, cli, fixture_root
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -29,11 +28,8 @@ CASES = ("deepseek_v3", "deepseek_v3_ep2")
 @pytest.fixture(scope="session")
 def dsv3(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture folders by case, built once per fixture-script version (cached)."""
-    scripts = ("titan_dsv3_fixtures.py", "titan_moe_fixtures.py", "../bench/standins.py")
-    code = b"".join((HERE / s).read_bytes() for s in scripts)
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-titan-dsv3")) if cache is not None else tmp_path_factory.mktemp("dsv3")
-    base = root / f"titan-dsv3-{hashlib.sha256(code).hexdigest()[:12]}"
+    code = (HERE / "titan_dsv3_fixtures.py", HERE / "titan_moe_fixtures.py", HERE.parent / "bench" / "standins.py")
+    base = fixture_root(tmp_path_factory, "titan-dsv3", *code) / "titan-dsv3"
 
     def build(tmp: Path) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

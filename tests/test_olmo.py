@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import cli, missing
+from helpers import cli, fixture_root, missing
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
@@ -26,8 +26,7 @@ def olmo(request, tmp_path_factory) -> Path:
 
     if not Path(OLMO, "olmo_core").is_dir():
         missing(f"OLMo-core 3.0.0 is not unpacked at {OLMO} (scripts/test does it)")
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-olmo")) if cache is not None else tmp_path_factory.mktemp("olmo")
+    root = fixture_root(tmp_path_factory, "olmo", "tests/olmo_fixtures.py", "tests/trainer_fixtures.py")
     return make_olmo_checkpoints(root, OLMO)
 
 

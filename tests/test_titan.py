@@ -5,7 +5,6 @@ trainer's own forward against transformers loading the output with from_pretrain
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, says_the_plan
+from helpers import built_once, cli, fixture_root, says_the_plan
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -27,11 +26,7 @@ PLAN = "torchtitan-llama3"
 @pytest.fixture(scope="session")
 def titan(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture folders by model name, built once per fixture-script version (cached)."""
-    code = (BENCH / "titan_ckpt.py").read_bytes() + (BENCH / "standins.py").read_bytes()
-    digest = hashlib.sha256(code).hexdigest()[:12]
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-titan")) if cache is not None else tmp_path_factory.mktemp("titan")
-    base = root / f"titan-{digest}"
+    base = fixture_root(tmp_path_factory, "titan", BENCH / "titan_ckpt.py", BENCH / "standins.py") / "titan"
 
     def build(tmp: Path) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

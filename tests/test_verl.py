@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import verl_fixtures
-from helpers import cli
+from helpers import cli, fixture_root
 from safetensors.torch import load_file
 
 PLAIN = [c["name"] for c in verl_fixtures.cases() if not c["lora"]]
@@ -19,9 +19,8 @@ PLAIN = [c["name"] for c in verl_fixtures.cases() if not c["lora"]]
 
 @pytest.fixture(scope="session")
 def verl_cases(request, tmp_path_factory) -> dict[str, dict]:
-    """verl runs under torchrun, made once and kept in pytest's cache between sessions."""
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("streamck-verl")) if cache is not None else tmp_path_factory.mktemp("verl")
+    """verl runs under torchrun, made once and kept on the machine (tests/fixture_cache.py)."""
+    root = fixture_root(tmp_path_factory, "verl", *verl_fixtures.CODE)
     return verl_fixtures.make_verl_checkpoints(root)
 
 

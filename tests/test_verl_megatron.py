@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import verl_megatron_fixtures
-from helpers import cli
+from helpers import cli, fixture_root
 from safetensors.torch import load_file
 
 MERGED = [c["name"] for c in verl_megatron_fixtures.cases() if "hf_model" in c["contents"] and c["dist"]]
@@ -20,9 +20,8 @@ ENTRIES = ["actor", "step", "run --step latest", "run"]
 
 @pytest.fixture(scope="session")
 def verl_megatron(request, tmp_path_factory) -> dict[str, dict]:
-    """verl Megatron runs under torchrun, made once and kept in pytest's cache between sessions."""
-    cache = getattr(request.config, "cache", None)
-    root = cache.mkdir("streamck-verl-megatron") if cache is not None else tmp_path_factory.mktemp("verl-megatron")
+    """verl Megatron runs under torchrun, made once and kept on the machine (tests/fixture_cache.py)."""
+    root = fixture_root(tmp_path_factory, "verl-megatron", *verl_megatron_fixtures.CODE)
     return verl_megatron_fixtures.make_verl_megatron_checkpoints(root)
 
 

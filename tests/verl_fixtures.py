@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from helpers import built_once
@@ -40,23 +42,56 @@ def cases() -> list[dict]:
     return [dict(zip(KEYS, c, strict=True)) for c in CASES]
 
 
-def _run(cmd: list, timeout: int, what: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
+# What the fixtures' contents follow (fixture_cache's key, with the installed packages).
+CODE = ("tests/verl_fixtures.py", "tests/verl_child.py")
+
+
+def run(cmd: list, timeout: int, what: str, paths: tuple = ()) -> None:
+    """``cmd`` under ``timeout`` seconds with ``paths`` (only) on its PYTHONPATH; its output in the error."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(map(str, paths))
     done = subprocess.run(["timeout", str(timeout), *map(str, cmd)], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
 
 
+def make_runs(base: Path, cases: list[dict], build_case: Callable[[dict, Path], None]) -> dict[str, dict]:
+    """Build (once, into ``base``) and list verl runs by case name: each case's folder starts with
+    ``base/``, the tiny HF model of its ``arch`` (verl_child.py ``base``, deterministic: made once per
+    architecture and copied), then ``build_case(case, folder)`` runs verl. Each dict has the case's
+    fields and paths ``dir``, ``base``, ``run``, ``step``, ``actor``, ``merged`` (None where verl's merger
+    did not run) and, where the run wrote them, ``live`` (live.pt) and ``oracle`` (oracle.pt)."""
+
+    def build(tmp: Path) -> None:
+        models = tmp / ".bases"
+        for arch in sorted({c["arch"] for c in cases}):
+            run([VERL_PYTHON, CHILD, "base", models / arch, arch], 300, f"{arch}: base model")
+        for c in cases:
+            (tmp / c["name"]).mkdir()
+            shutil.copytree(models / c["arch"] / "base", tmp / c["name"] / "base")
+            build_case(c, tmp / c["name"])
+        shutil.rmtree(models)
+        (tmp / "cases.json").write_text(json.dumps(cases, indent=1))
+
+    built_once(base, build)
+    out = {}
+    for c in json.loads((base / "cases.json").read_text()):
+        d = base / c["name"]
+        step, merged = d / "run" / "global_step_1", d / "merged"
+        files = {f.stem: f for f in (d / "live.pt", d / "oracle.pt") if f.exists()}
+        out[c["name"]] = {**c, "dir": d, "base": d / "base", "run": d / "run", "step": step, "actor": step / "actor",
+                          "merged": merged if merged.is_dir() else None, **files}  # fmt: skip
+    return out
+
+
 def _build_case(case: dict, out: Path) -> None:
-    out.mkdir()
-    _run([VERL_PYTHON, CHILD, "base", out, case["arch"]], 300, f"{case['name']}: base model")
     torchrun = [VERL_PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={case['world']}"]
     args = [CHILD, out, case["strategy"], case["fsdp_size"], case["lora"]]
-    _run([*torchrun, f"--master_port={_free_port()}", *args], 900, f"{case['name']}: verl run")
+    run([*torchrun, f"--master_port={_free_port()}", *args], 900, f"{case['name']}: verl run")
     if not case["lora"]:
         actor = out / "run" / "global_step_1" / "actor"
         merge = [VERL_PYTHON, "-m", "verl.model_merger", "merge", "--backend", "fsdp"]
-        _run([*merge, "--local_dir", actor, "--target_dir", out / "merged"], 600, f"{case['name']}: verl's merger")
+        run([*merge, "--local_dir", actor, "--target_dir", out / "merged"], 600, f"{case['name']}: verl's merger")
 
 
 def _versions() -> str:
@@ -66,23 +101,7 @@ def _versions() -> str:
 
 
 def make_verl_checkpoints(root: Path) -> dict[str, dict]:
-    """Build (once) and list the cases under ``root`` by name; each dict has the case's fields
-    and paths ``dir``, ``run`` (the run root), ``step``, ``actor``, ``merged`` (None for LoRA), ``live``."""
+    """Build (once) and list the cases under ``root`` by name (make_runs; ``live`` in each)."""
     if not VERL_PYTHON.exists():
         raise RuntimeError(f"no verl venv at {VERL_PYTHON}: run scripts/test, which makes it")
-    base = Path(root) / f"verl-{_versions()}-v{FIXTURE_VERSION}"
-
-    def build(tmp: Path) -> None:
-        for c in cases():
-            _build_case(c, tmp / c["name"])
-        (tmp / "cases.json").write_text(json.dumps(cases(), indent=1))
-
-    built_once(base, build)
-    out = {}
-    for c in json.loads((base / "cases.json").read_text()):
-        d = base / c["name"]
-        step = d / "run" / "global_step_1"
-        merged = d / "merged"
-        out[c["name"]] = {**c, "dir": d, "run": d / "run", "step": step, "actor": step / "actor",
-                          "merged": merged if merged.is_dir() else None, "live": d / "live.pt"}  # fmt: skip
-    return out
+    return make_runs(Path(root) / f"verl-{_versions()}-v{FIXTURE_VERSION}", cases(), _build_case)

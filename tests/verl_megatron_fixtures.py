@@ -16,19 +16,15 @@ Built once into ``root/verl-megatron-<versions>-v<FIXTURE_VERSION>``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
-from helpers import built_once
+import verl_fixtures
 from trainer_fixtures import _free_port
+from verl_fixtures import VERL_PYTHON, make_runs, run
 
 FIXTURE_VERSION = 2
 ROOT = Path(__file__).resolve().parent.parent
-VERL_PYTHON = ROOT / ".venv" / "verl-0.9.1" / "bin" / "python"
-PATHS = [ROOT / ".venv" / "megatron-core-0.19.2", ROOT / ".venv" / "mbridge-0.15.1"]
-BASE = Path(__file__).with_name("verl_child.py")
+PATHS = (ROOT / ".venv" / "megatron-core-0.19.2", ROOT / ".venv" / "mbridge-0.15.1")
 CHILD = Path(__file__).with_name("verl_mcore_child.py")
 WITH_HF = "model,optimizer,extra,hf_model"
 
@@ -46,25 +42,21 @@ def cases() -> list[dict]:
     return [dict(zip(KEYS, c, strict=True)) for c in CASES]
 
 
-def _run(cmd: list, timeout: int, what: str, paths: bool = True) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join(map(str, PATHS)) if paths else ""
-    done = subprocess.run(["timeout", str(timeout), *map(str, cmd)], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+# What the fixtures' contents follow (fixture_cache's key, with the installed packages).
+CODE = ("tests/verl_megatron_fixtures.py", "tests/verl_mcore_child.py", *verl_fixtures.CODE)
+CODE += ("bench/megatron_ckpt.py", "bench/standins.py")  # verl_mcore_child.py's stand-ins
 
 
 def _build_case(case: dict, out: Path) -> None:
-    out.mkdir()
-    _run([VERL_PYTHON, BASE, "base", out, case["arch"]], 300, f"{case['name']}: base model", paths=False)
     torchrun = [VERL_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"]
     args = [CHILD, out, case["tp"], case["pp"], case["contents"], "dist" if case["dist"] else "hf"]
-    _run([*torchrun, *args], 900, f"{case['name']}: verl run")
+    run([*torchrun, *args], 900, f"{case['name']}: verl run", PATHS)
     if "hf_model" in case["contents"] and case["dist"]:
         actor = out / "run" / "global_step_1" / "actor"
         tied = ["--tie-word-embedding"] if case["arch"] == "qwen2" else []
         merge = [VERL_PYTHON, CHILD, "merge", "merge", "--backend", "megatron", *tied]
-        _run([*merge, "--local_dir", actor, "--target_dir", out / "merged"], 600, f"{case['name']}: verl's merger")
+        what = f"{case['name']}: verl's merger"
+        run([*merge, "--local_dir", actor, "--target_dir", out / "merged"], 600, what, PATHS)
 
 
 def _versions() -> str:
@@ -74,25 +66,8 @@ def _versions() -> str:
 
 
 def make_verl_megatron_checkpoints(root: Path) -> dict[str, dict]:
-    """Build (once) and list the cases under ``root`` by name; each dict has the case's fields
-    and paths ``dir``, ``base`` (the HF model the run started from), ``run``, ``step``,
-    ``actor``, ``merged`` (None without ``hf_model``), ``oracle``."""
+    """Build (once) and list the cases under ``root`` by name (verl_fixtures.make_runs; ``oracle`` in each)."""
     missing = [p for p in (VERL_PYTHON, *PATHS) if not p.exists()]
     if missing:
         raise RuntimeError(f"no {missing[0]}: run scripts/test, which makes it")
-    base = Path(root) / f"verl-megatron-{_versions()}-v{FIXTURE_VERSION}"
-
-    def build(tmp: Path) -> None:
-        for c in cases():
-            _build_case(c, tmp / c["name"])
-        (tmp / "cases.json").write_text(json.dumps(cases(), indent=1))
-
-    built_once(base, build)
-    out = {}
-    for c in json.loads((base / "cases.json").read_text()):
-        d = base / c["name"]
-        step = d / "run" / "global_step_1"
-        merged = d / "merged"
-        out[c["name"]] = {**c, "dir": d, "base": d / "base", "run": d / "run", "step": step, "actor": step / "actor",
-                          "merged": merged if merged.is_dir() else None, "oracle": d / "oracle.pt"}  # fmt: skip
-    return out
+    return make_runs(Path(root) / f"verl-megatron-{_versions()}-v{FIXTURE_VERSION}", cases(), _build_case)
