@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import built_once, cli, fixture_root
 from quant_fixtures import DRIVER as QUANT_DRIVER
-from quant_fixtures import run_oracle
+from quant_fixtures import run_driver, run_oracle
 
 HERE = Path(__file__).parent
 DRIVER = HERE / "dequant_oracles.py"
@@ -20,11 +19,7 @@ TORCH = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
 def run_dequant_oracle(*args) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    done = subprocess.run([sys.executable, str(DRIVER), *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(f"dequant_oracles.py {args[0]} failed:\n{done.stderr[-6000:]}")
+    run_driver(DRIVER, *args)
 
 
 @pytest.fixture(scope="session")

@@ -15,12 +15,17 @@ HERE = Path(__file__).parent
 DRIVER = HERE / "quant_oracles.py"
 
 
-def run_oracle(*args) -> None:
+def run_driver(driver: Path, *args) -> None:
+    """``python DRIVER ARGS`` in a child (one thread, no progress bars), bounded; its stderr in the error."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    done = subprocess.run([sys.executable, str(DRIVER), *map(str, args)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(driver), *map(str, args)], env=env, capture_output=True, text=True,
                           timeout=900)  # fmt: skip
     if done.returncode:
-        raise RuntimeError(f"quant_oracles.py {args[0]} failed:\n{done.stderr[-6000:]}")
+        raise RuntimeError(f"{driver.name} {args[0]} failed:\n{done.stderr[-6000:]}")
+
+
+def run_oracle(*args) -> None:
+    run_driver(DRIVER, *args)
 
 
 # streamck's default ignore list for these bases (the head, the embeddings, a MoE router)
