@@ -161,13 +161,13 @@ def test_verify_catches_a_byte_flipped_before_verification(tmp_path, monkeypatch
     src = save(tmp_path / "s.safetensors", llama_like())
     real = rw.verify_shard
 
-    def tamper(shard, path, factory):
+    def tamper(shard, path, *rest):
         with open(path, "r+b") as f:
             f.seek(-3, 2)
             byte = f.read(1)
             f.seek(-3, 2)
             f.write(bytes([byte[0] ^ 0x40]))
-        real(shard, path, factory)
+        real(shard, path, *rest)
 
     monkeypatch.setattr(rw, "verify_shard", tamper)
     plan = compile_plan(open_checkpoint(src), Rules(dtype=dtype))
@@ -185,9 +185,9 @@ def test_cli_verify_checks_every_shard(tmp_path, monkeypatch, capsys, dtype):
     checked = []
     real = rw.verify_shard
 
-    def counting(shard, path, factory):
+    def counting(shard, path, *rest):
         checked.append(path.name)
-        real(shard, path, factory)
+        real(shard, path, *rest)
 
     monkeypatch.setattr(rw, "verify_shard", counting)
     src = save_sharded(tmp_path / "s", llama_like(), 2)
@@ -205,11 +205,11 @@ def test_cli_verify_failure_leaves_nothing(tmp_path, monkeypatch, capsys):
     import streamck.writer.engine as rw
     from streamck.cli import main
 
-    def tampered(shard, path, factory):
+    def tampered(shard, path, *rest):
         with open(path, "r+b") as f:
             f.seek(-1, 2)
             f.write(b"\xff" if f.read(0) == b"" else b"")
-        rw_real(shard, path, factory)
+        rw_real(shard, path, *rest)
 
     rw_real = rw.verify_shard
     monkeypatch.setattr(rw, "verify_shard", tampered)
