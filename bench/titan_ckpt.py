@@ -70,13 +70,24 @@ def model_config(dims: tuple):
 
         rope = CosSinRoPE.Config(dim=hd, max_seq_len=64, theta=1000000.0)
         blocks = _build_qwen3_layers(
-            n_layers=layers, dim=dim, n_heads=nh, n_kv_heads=nkv, head_dim=hd, hidden_dim=hidden, rope=rope,
+            n_layers=layers,
+            dim=dim,
+            n_heads=nh,
+            n_kv_heads=nkv,
+            head_dim=hd,
+            hidden_dim=hidden,
+            rope=rope,
             attn_backend="flex",
         )
         norm = RMSNorm.Config(normalized_shape=dim, eps=1e-6, param_init={"weight": _normal})
         cls = Qwen3Model
     return cls.Config(
-        dim=dim, vocab_size=vocab, tok_embeddings=embed, norm=norm, lm_head=head, layers=blocks,
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=embed,
+        norm=norm,
+        lm_head=head,
+        layers=blocks,
         enable_weight_tying=tied,
     )
 
@@ -95,8 +106,15 @@ def hf_config(dims: tuple) -> dict:
 
     family, dim, nh, nkv, hd, hidden, layers, vocab, tied = dims
     common = dict(
-        hidden_size=dim, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, intermediate_size=hidden,
-        num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=64,
+        hidden_size=dim,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=hd,
+        intermediate_size=hidden,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
     )
     if family == "llama3":
         config = LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
@@ -137,9 +155,7 @@ def _save_one(name: str, dims: tuple, root: Path, rank: int) -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
-    optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop").build(
-        model_parts=[model]
-    )
+    optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop").build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=10)
     torch.manual_seed(1 + rank)
     for p in model.parameters():
@@ -164,8 +180,10 @@ def _save_one(name: str, dims: tuple, root: Path, rank: int) -> None:
         logits = model(tokens, positions, model.get_attention_masks(positions=positions))
     if rank == 0:
         (out / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
-        torch.save({"tokens": tokens, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits},
-                   out / "oracle.pt")
+        torch.save(
+            {"tokens": tokens, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits},
+            out / "oracle.pt",
+        )
 
 
 def convert_to_hf(dims: tuple, step: Path, out: Path) -> None:

@@ -214,7 +214,13 @@ def write_plan(
 
 
 def _write_part(
-    plan: Plan, out: Path, shards: list[Shard], owners: list[int], k: int, workers: Workers, verify: bool,
+    plan: Plan,
+    out: Path,
+    shards: list[Shard],
+    owners: list[int],
+    k: int,
+    workers: Workers,
+    verify: bool,
     strict: bool = False,
 ) -> tuple[list[Path], int, int]:
     """Part ``k`` (1-based): the shards ``owners`` gives it (each shard's 0-based part), each
