@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from streamck.plan.moe.families import FAMILIES
 from streamck.plan.moe.layout import DOWN, GATE_UP
+
+T = TypeVar("T")
 
 _FUSED = re.compile(rf"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<kind>{GATE_UP}|{DOWN})$")
 _PER_EXPERT = re.compile(r"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
@@ -42,6 +45,27 @@ def find_blocks(names: Iterable[str]) -> dict[str, Block]:
         if m:
             blocks.setdefault(m["block"], Block(m["block"])).experts[m["proj"]][int(m["e"])] = name
     return blocks
+
+
+def enclosing(name: str, blocks: Container[str]) -> Iterator[str]:
+    """The names in ``blocks`` that ``name`` lies under (``a.b.c`` lies under ``a`` and ``a.b``),
+    shortest first: one lookup per dot of ``name``, never a pass over ``blocks`` (a check of every
+    block against every name was quadratic: 256-expert models have a block per layer)."""
+    dot = name.find(".")
+    while dot != -1:
+        if name[:dot] in blocks:
+            yield name[:dot]
+        dot = name.find(".", dot + 1)
+
+
+def by_block(items: Mapping[str, T], blocks: Container[str]) -> dict[str, dict[str, T]]:
+    """``items`` (by name) grouped under each block they lie under, in ``items``' order, built in
+    one pass over ``items``; a block with nothing under it is absent."""
+    out: dict[str, dict[str, T]] = {}
+    for name, item in items.items():
+        for block in enclosing(name, blocks):
+            out.setdefault(block, {})[name] = item
+    return out
 
 
 # Trainers' own grouped experts: name pattern -> (what holds them, the expert axis, layers stacked on axis 0).
