@@ -16,6 +16,9 @@ import json
 from pathlib import Path
 
 ITEM = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+# The reference writer (safetensors' save_file, which wrote DeepSeek-V3's shards) lays a file's
+# data out by dtype, widest first in its enum's order, then by name.
+DTYPE_ORDER = {"F32": 0, "BF16": 1, "F8_E4M3": 2}
 EXPERTS = 256
 DENSE = 3  # DeepSeek-V3's first_k_dense_replace
 PER_SHARD = 565  # 91,991 tensors in 163 shards
@@ -91,9 +94,9 @@ def make_dsv3(directory: Path, layers: int) -> tuple[Path, int]:
 
 
 def _write(path: Path, part: list[Entry], block: bytes) -> int:
-    """One shard of mixed dtypes (synth.write_shard takes one): header, then zero bytes."""
+    """One shard of mixed dtypes (synth.write_shard takes one), in the reference writer's order."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, dtype, shape in part:
+    for name, dtype, shape in sorted(part, key=lambda e: (DTYPE_ORDER[e[1]], e[0])):
         n = ITEM[dtype] * _numel(shape)
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
