@@ -85,10 +85,14 @@ def test_ls_takes_each_file_path_once(tmp_path, monkeypatch, capsys):
 
 
 class _Name(str):
-    """A tensor name that counts every prefix test and slice made of it (the work of finding
-    what lies under a block), in ``_Name.ops``."""
+    """A tensor name that counts every prefix test, slice and ordering comparison made of it
+    (the work of finding what lies under a block), in ``_Name.ops``."""
 
     ops = 0
+
+    def __lt__(self, other):
+        _Name.ops += 1
+        return super().__lt__(other)
 
     def startswith(self, *args):
         _Name.ops += 1
@@ -141,8 +145,8 @@ def _moe_ops(tmp_path, layers: int, fused: bool) -> tuple[int, int]:
 @pytest.mark.parametrize("fused", [False, True])
 def test_moe_blocks_are_indexed_once_not_scanned_per_layer(tmp_path, fused):
     """plan/moe tested every tensor's name against every MoE block (a dict comprehension per
-    layer: 39% of a DeepSeek-V3 --dry-run, quadratic). The work per tensor now stays the same
-    when the layers are 8 times as many (it was 8 times as much)."""
+    layer: 39% of a DeepSeek-V3 --dry-run, quadratic). With 8 times the layers the work per
+    tensor was 8 times as much; a sort's log grows it by less than 2."""
     few, few_tensors = _moe_ops(tmp_path, 4, fused)
     many, many_tensors = _moe_ops(tmp_path, 32, fused)
-    assert many / many_tensors <= 1.1 * few / few_tensors, (few, few_tensors, many, many_tensors)
+    assert many / many_tensors <= 2 * few / few_tensors, (few, few_tensors, many, many_tensors)

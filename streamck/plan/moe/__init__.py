@@ -17,7 +17,7 @@ from pathlib import Path
 
 from streamck.errors import PlanError, UsageError
 from streamck.plan.compile import OutputTensor, Plan
-from streamck.plan.moe.blocks import Block, by_block, enclosing, layout_line
+from streamck.plan.moe.blocks import Block, by_block, layout_line
 from streamck.plan.moe.experts import blocks_of, check_count, check_per_expert, check_router, fuse_block, unfuse_block
 from streamck.plan.moe.families import FAMILIES, REFUSED, Family, expert_count, family_of
 from streamck.plan.moe.fp32 import keep_fp32 as _keep_fp32
@@ -137,7 +137,8 @@ def _replaced(plan: Plan, done: dict[str, list[OutputTensor]], model_type: str, 
     family's disk names (runtime ones for ``fuse``), and a summary line."""
     if not done:
         return plan
-    tensors = [t for t in plan.tensors if next(enclosing(t.name, done), None) is None]
+    under = {n for block in by_block({t.name: t for t in plan.tensors}, done).values() for n in block}
+    tensors = [t for t in plan.tensors if t.name not in under]
     tensors += [t for block in done.values() for t in block]
     if mode != "fuse":
         tensors = [replace(t, name=fam.disk_name(t.name)) for t in tensors]

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -47,24 +48,19 @@ def find_blocks(names: Iterable[str]) -> dict[str, Block]:
     return blocks
 
 
-def enclosing(name: str, blocks: Container[str]) -> Iterator[str]:
-    """The names in ``blocks`` that ``name`` lies under (``a.b.c`` lies under ``a`` and ``a.b``),
-    shortest first: one lookup per dot of ``name``, never a pass over ``blocks`` (a check of every
-    block against every name was quadratic: 256-expert models have a block per layer)."""
-    dot = name.find(".")
-    while dot != -1:
-        if name[:dot] in blocks:
-            yield name[:dot]
-        dot = name.find(".", dot + 1)
+def by_block(items: Mapping[str, T], blocks: Iterable[str]) -> dict[str, dict[str, T]]:
+    """``items`` (by name) grouped under each block that their names lie under (``a.b.c`` lies
+    under ``a`` and ``a.b``), in name order; a block with nothing under it is absent.
 
-
-def by_block(items: Mapping[str, T], blocks: Container[str]) -> dict[str, dict[str, T]]:
-    """``items`` (by name) grouped under each block they lie under, in ``items``' order, built in
-    one pass over ``items``; a block with nothing under it is absent."""
+    The names are sorted once and each block's are the range between ``block.`` and ``block/``
+    (``/`` follows ``.``), found by bisection: testing every name against every block was
+    quadratic, a block per layer (39% of a DeepSeek-V3 --dry-run, #44)."""
+    names = sorted(items)
     out: dict[str, dict[str, T]] = {}
-    for name, item in items.items():
-        for block in enclosing(name, blocks):
-            out.setdefault(block, {})[name] = item
+    for block in blocks:
+        lo, hi = bisect_left(names, block + "."), bisect_left(names, block + "/")
+        if lo < hi:
+            out[block] = {n: items[n] for n in names[lo:hi]}
     return out
 
 
