@@ -232,3 +232,19 @@ def test_headers_render_as_the_stdlib_renders_them():
     small = encode_header(entries[:-1], meta)
     del want["huge"]
     assert small[8:].rstrip(b" ") == json.dumps(want, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_runs_are_joined_without_comparing_paths(tmp_path, monkeypatch):
+    """The writer compared each tensor's source Path with the one before it (twice per tensor:
+    laying out and writing), in Python: the refs of one file share one Path, so none is needed."""
+    from pathlib import PurePath
+
+    src, tensors = _many(tmp_path)
+    plan = compile_plan(open_checkpoint(src), Rules(rules_from([{"strip_prefix": "model."}])))
+    calls = []
+    real = PurePath.__eq__
+    monkeypatch.setattr(PurePath, "__eq__", lambda *a: calls.append(1) or real(*a))
+    write_plan(plan, tmp_path / "out.safetensors")
+    monkeypatch.undo()
+    assert len(calls) <= 20, len(calls)  # was 2 per tensor
+    assert len(read_all(tmp_path / "out.safetensors")) == len(tensors)
