@@ -248,3 +248,43 @@ def test_runs_are_joined_without_comparing_paths(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert len(calls) <= 20, len(calls)  # was 2 per tensor
     assert len(read_all(tmp_path / "out.safetensors")) == len(tensors)
+
+
+class _Names(dict):
+    """Tensors by name that count how often all their names are walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        _Names.walks += 1
+        return super().__iter__()
+
+
+def test_the_producer_hint_looks_names_up_not_over():
+    """plan_hint ran six fnmatch passes over every name for a checkpoint of no known producer;
+    each producer's plain mark is looked up now, and a glob scans only after it is found."""
+    from streamck.source.producers import plan_hint
+
+    names = _Names.fromkeys(f"model.layers.{i}.mlp.experts.{i}.w.weight" for i in range(1000))
+    _Names.walks = 0
+    assert plan_hint(names) is None and _Names.walks == 0
+    titan = _Names.fromkeys(["tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight"])
+    assert "torchtitan step (Llama" in plan_hint(titan)
+
+
+def test_the_producer_hint_names_what_fnmatch_named():
+    """Each producer's marks (globs filled in) hinted as the fnmatch passes hinted them."""
+    import fnmatch
+
+    from streamck.source.producers import PRODUCERS, plan_hint
+
+    def by_fnmatch(names: list[str]) -> str | None:
+        for who, advice, marks in PRODUCERS:
+            if all(fnmatch.filter(names, mark) for mark in marks):
+                return f"this looks like {who}: {advice}"
+        return None
+
+    for _, _, marks in PRODUCERS:
+        names = [m.replace("*", "0.x") for m in marks] + ["model.norm.weight"]
+        assert plan_hint(names) == by_fnmatch(names) is not None
+        assert plan_hint(names[1:]) == by_fnmatch(names[1:])
