@@ -19,9 +19,12 @@ def shape_str(shape) -> str:
 
 
 def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+    """``rows`` in columns two spaces apart, each as wide as its widest cell, lines unpadded at
+    the end. One format string for every row: a generator per row and cell was a third of
+    ``ls`` at 92k tensors (#44)."""
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    out.writelines(line.format(*r).rstrip() + "\n" for r in rows)
 
 
 def _files(t, root: Path, relative: dict[Path, str]) -> str:

@@ -40,12 +40,21 @@ def find_blocks(names: Iterable[str]) -> dict[str, Block]:
     for name in sorted(names):
         m = _FUSED.match(name)
         if m:
-            blocks.setdefault(m["block"], Block(m["block"])).fused[m["kind"]] = name
+            _block(blocks, m["block"]).fused[m["kind"]] = name
             continue
         m = _PER_EXPERT.match(name)
         if m:
-            blocks.setdefault(m["block"], Block(m["block"])).experts[m["proj"]][int(m["e"])] = name
+            _block(blocks, m["block"]).experts[m["proj"]][int(m["e"])] = name
     return blocks
+
+
+def _block(blocks: dict[str, Block], name: str) -> Block:
+    """Block ``name`` of ``blocks``, made once: ``setdefault(name, Block(name))`` made one per
+    expert tensor (92k at DeepSeek-V3's size) to throw all but one away."""
+    block = blocks.get(name)
+    if block is None:
+        block = blocks[name] = Block(name)
+    return block
 
 
 def by_block(items: Mapping[str, T], blocks: Iterable[str]) -> dict[str, dict[str, T]]:
