@@ -320,3 +320,28 @@ def test_a_header_is_rendered_without_a_dict_per_tensor():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak / len(entries) < 4 * len(raw) / len(entries), (peak / len(entries), len(raw) / len(entries))
+
+
+def test_hash_reads_neighbouring_small_tensors_together(tmp_path, monkeypatch, capsys):
+    """``hash`` read every tensor with a call of its own: 92k reads for DeepSeek-V3's layout.
+    Counted: the read calls for 3,000 small tensors; the digests are hashlib's of each."""
+    import hashlib
+    import json
+
+    from streamck.check import tensor_digests
+
+    src, tensors = _many(tmp_path)
+    reads = []
+    for name in ("preadv", "pread", "read", "readv"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real: reads.append(1) or _real(*a))
+    digests = tensor_digests(open_checkpoint(src))
+    monkeypatch.undo()
+    assert len(reads) <= 10, len(reads)  # was one per tensor
+    assert list(digests) == list(open_checkpoint(src).tensors)
+    assert all(digests[n] == hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items())
+    from streamck.cli import main
+
+    assert main(["hash", str(src), "--json"]) in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["tensors"]["model.layers.7.t3"]["sha256"] == digests["model.layers.7.t3"]
