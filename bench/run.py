@@ -359,31 +359,36 @@ def _count_runs(a: argparse.Namespace, tmp: Path, layers: int) -> tuple[int, dic
 
 
 def _count_tables(results: dict[int, dict[str, Runs]]) -> str:
-    """Seconds and µs per tensor (a streamck command's start-up taken off), and peak RSS (less
-    start-up's, per tensor), per command and tensor count; then the growth of the time per tensor
-    from the count nearest REFERENCE to the largest, and each command against cp -r + sync there."""
+    """Per command and tensor count: CPU µs per tensor (start-up's taken off: what a loaded
+    machine changes least), wall seconds, peak RSS and KiB per tensor above start-up's; then the
+    growth of the time per tensor from the count nearest REFERENCE to the largest, and each
+    command against cp -r + sync there."""
     counts, labels = sorted(results), list(COUNT_COMMANDS)
 
     def off(n: int, label: str) -> Runs | None:
         """What a streamck command's figures are taken from: its start-up's; None for cp."""
         return None if label == CP else results[n][START]
 
-    def per(n: int, label: str) -> float:
-        base = off(n, label)
-        return (results[n][label].wall - (base.wall if base else 0)) / n * 1e6
+    def per(n: int, label: str, cpu: bool = True) -> float:
+        run, base = results[n][label], off(n, label)
+        taken = (base.cpu if cpu else base.wall) if base else 0
+        return ((run.cpu if cpu else run.wall) - taken) / n * 1e6
 
     def kib(n: int, label: str) -> float:
         base = off(n, label)
         return (results[n][label].peak - (base.peak if base else 0)) / n / 1024
 
     head, rule = "| tensors | start-up | " + " | ".join(labels) + " |", "|---" * (len(labels) + 2) + "|"
-    rows = ["Wall seconds (median), then µs per tensor (streamck's start-up taken off):\n", head, rule]
-    for n in counts:
-        cells = " | ".join(f"{results[n][k].wall:.2f} s, {per(n, k):.1f} µs" for k in labels)
-        rows.append(f"| {n:,} | {results[n][START].wall:.2f} s | {cells} |")
     ref, top = min(counts, key=lambda n: abs(n - REFERENCE)), counts[-1]
-    ratios = " | ".join(f"{per(top, k) / per(ref, k):.2f}" if per(ref, k) > 0 else "–" for k in labels)
-    rows.append(f"| µs/tensor at {top:,} ÷ at {ref:,} | | {ratios} |")
+    rows = ["CPU (user + system) µs per tensor, start-up's taken off, then wall seconds (medians):\n", head, rule]
+    for n in counts:
+        cells = " | ".join(f"{per(n, k):.1f} µs, {results[n][k].wall:.2f} s" for k in labels)
+        rows.append(f"| {n:,} | {results[n][START].cpu:.2f} s CPU | {cells} |")
+    for what, cpu in (("CPU", True), ("wall", False)):
+        ratios = " | ".join(
+            f"{per(top, k, cpu) / per(ref, k, cpu):.2f}" if per(ref, k, cpu) > 0 else "–" for k in labels
+        )
+        rows.append(f"| {what} µs/tensor at {top:,} ÷ at {ref:,} | | {ratios} |")
     cp = results[top][CP].wall
     rows.append(
         f"| wall ÷ cp -r + sync at {top:,} | | " + " | ".join(f"{results[top][k].wall / cp:.1f}" for k in labels) + " |"
