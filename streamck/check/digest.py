@@ -54,7 +54,9 @@ def batches(refs: list[Named], limit: int = BATCH) -> Iterator[list[Named]]:
     """``refs`` (name, ref) in file order, grouped: plain ones (one run each) that follow one
     another in one file, together at most ``limit`` bytes; any other alone."""
     group: list[Named] = []
-    for name, ref in sorted(refs, key=lambda r: (str(r[1].path), r[1].start)):
+    # By the path object's identity (one per file, shared by its refs), not its text: only
+    # neighbours are joined, and the digests come back in the caller's order.
+    for name, ref in sorted(refs, key=lambda r: (id(r[1].path), r[1].start)):
         alone = not _plain(ref) or ref.nbytes > limit
         if group and (alone or not _continues(group, ref, limit)):
             yield group
