@@ -18,6 +18,15 @@ def shape_str(shape) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
+class _Shapes(dict):
+    """Shapes rendered once each, for a table: a checkpoint of 92k tensors has a few dozen
+    shapes, and rendering one per row was an eighth of a --dry-run's listing (#44)."""
+
+    def __missing__(self, shape: tuple[int, ...]) -> str:
+        self[shape] = text = shape_str(shape)
+        return text
+
+
 def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
     """``rows`` in columns two spaces apart, each as wide as its widest cell, lines unpadded at
     the end. One format string for every row: a generator per row and cell was a third of
@@ -40,8 +49,9 @@ def print_checkpoint(ckpt: Checkpoint, hint: str | None) -> None:
     # One relpath per file, not per tensor: half of ``ls``'s time at 92k tensors (#44).
     relative = {path: os.path.relpath(path, ckpt.root) for path in ckpt.files}
     rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILE")]
+    shapes = _Shapes()
     rows += [
-        (t.name, t.dtype, shape_str(t.shape), str(t.nbytes), _files(t, ckpt.root, relative))
+        (t.name, t.dtype, shapes[t.shape], str(t.nbytes), _files(t, ckpt.root, relative))
         for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
     table(rows)
@@ -64,11 +74,12 @@ def print_plan(plan: Plan) -> None:
     for line in plan.summary:
         print(line)
     rows = [("SOURCE", "OUTPUT", "DTYPE", "SHAPE", "BYTES")]
+    shapes = _Shapes()
     for t in plan.tensors:
         src = t.transform.origin(t.source) if t.transform is not None else t.source
         dtype = f"{src.dtype}->{t.dtype}" if t.dtype != src.dtype else t.dtype
         dtype += f" {t.transform.label}" if t.transform is not None and t.transform.label else ""
-        rows.append((src.name, t.name, dtype, shape_str(t.shape), str(t.nbytes)))
+        rows.append((src.name, t.name, dtype, shapes[t.shape], str(t.nbytes)))
     table(rows)
     src = plan.source
     dropped = len(src.tensors) - len(plan.tensors) if src else 0

@@ -345,3 +345,19 @@ def test_hash_reads_neighbouring_small_tensors_together(tmp_path, monkeypatch, c
     assert main(["hash", str(src), "--json"]) in (0, None)
     out = json.loads(capsys.readouterr().out)
     assert out["tensors"]["model.layers.7.t3"]["sha256"] == digests["model.layers.7.t3"]
+
+
+def test_tables_render_each_shape_once(tmp_path, monkeypatch, capsys):
+    """``ls`` and ``--dry-run`` rendered every row's shape (an eighth of a 92k listing); a
+    checkpoint has a few shapes, each rendered once now."""
+    import streamck.cli_show as show
+    from streamck.cli import main
+
+    src, tensors = _many(tmp_path)
+    calls = []
+    real = show.shape_str
+    monkeypatch.setattr(show, "shape_str", lambda s: calls.append(s) or real(s))
+    assert main(["ls", str(src)]) == 0
+    assert main(["rewrite", str(src), "-o", str(tmp_path / "o"), "--dry-run"]) == 0
+    assert len(calls) == 2, len(calls)  # one shape, once per table: was 6,000
+    assert capsys.readouterr().out.count(" [16] ") == 2 * len(tensors)
