@@ -27,10 +27,11 @@ class _Shapes(dict):
         return text
 
 
-def table(rows: list[tuple[str, ...]], out=sys.stdout) -> None:
+def table(rows: list[tuple[str, ...]], out=None) -> None:
     """``rows`` in columns two spaces apart, each as wide as its widest cell, lines unpadded at
     the end. One format string for every row: a generator per row and cell was a third of
-    ``ls`` at 92k tensors (#44)."""
+    ``ls`` at 92k tensors (#44). To ``out``, else the sys.stdout of the call (not of the import)."""
+    out = sys.stdout if out is None else out
     widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     out.writelines(line.format(*r).rstrip() + "\n" for r in rows)
