@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -21,10 +22,16 @@ class Runs:
     walls: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)  # bytes
     trace: list[tuple[float, int]] = field(default_factory=list)  # (seconds, RSS bytes) of the last run
+    cpus: list[float] = field(default_factory=list)  # user + system seconds of each run, its children's too
 
     @property
     def wall(self) -> float:
         return statistics.median(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        """Median CPU seconds: what a loaded machine changes least (wall time waits for the CPU)."""
+        return statistics.median(self.cpus)
 
     @property
     def peak(self) -> int:
@@ -150,7 +157,9 @@ def contend(
     for rep in range(reps):
         for label, make in contenders.items():
             trace: list[tuple[float, int]] = []
+            before = _children_cpu()
             wall, rss = run_child(make(out), settle, trace)
+            runs[label].cpus.append(_children_cpu() - before)
             runs[label].walls.append(wall)
             runs[label].rss.append(rss)
             runs[label].trace = trace
@@ -160,6 +169,12 @@ def contend(
             elif out.exists():
                 out.unlink()
     return runs
+
+
+def _children_cpu() -> float:
+    """User + system seconds of every child (and theirs) this process has waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def table(runs: dict[str, Runs], base: str, data_bytes: int | None = None) -> str:

@@ -11,6 +11,7 @@
     python bench/run.py lora --size 1GiB     # --merge-lora vs PEFT's merge_and_unload (needs peft)
     python bench/run.py moe                  # FSDP2 save of a Qwen3-MoE (fused experts) -> per-expert HF
     python bench/run.py verl --size 1GiB     # verl FSDP actor -> bf16 safetensors vs verl's merger (its venv)
+    python bench/run.py count                # DeepSeek-V3's layout, 1.6k to 140k tensors: time per tensor
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
 medians and ratios against the baseline of the same run, and is written into
@@ -38,6 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from dsv3 import make_dsv3  # noqa: E402
 from loopfs import reflink_mount, used  # noqa: E402
 from measure import PY, Runs, contend, cp_fsync, mib, plot, precompile, recache, run_child, streamck, table  # noqa: E402
 from synth import make_bin, make_checkpoint, make_eagle4_draft, make_many_shards  # noqa: E402
@@ -328,6 +330,87 @@ def case_index(a: argparse.Namespace, tmp: Path) -> str:
     return (
         f"{a.shards} shards × {a.tensors} tensors = {a.shards * a.tensors} tensors, in-process, "
         f"{a.reps} interleaved reps (page cache warm).\n\n" + "\n".join(rows)
+    )
+
+
+START = "start-up (streamck --version)"
+CP = "cp -r + sync"
+# The count case's commands on a checkpoint SRC (output OUT): each a child, as a user runs it.
+COUNT_COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "ls": lambda src, out: streamck("ls", str(src)),
+    "rewrite": lambda src, out: streamck("rewrite", str(src), "-o", str(out)),
+    "--strip-prefix": lambda src, out: streamck("rewrite", str(src), "-o", str(out), "--strip-prefix", "model."),
+    "--dry-run": lambda src, out: streamck("rewrite", str(src), "-o", str(out), "--dry-run"),
+    "hash": lambda src, out: streamck("hash", str(src)),
+    CP: lambda src, out: cp_fsync(src)(out),
+}
+REFERENCE = 9417  # issue #44's small end: 8 layers of DeepSeek-V3
+
+
+def _count_runs(a: argparse.Namespace, tmp: Path, layers: int) -> tuple[int, dict[str, Runs]]:
+    """Every COUNT_COMMANDS contender on DeepSeek-V3's layout with ``layers`` decoder layers."""
+    src, count = make_dsv3(tmp / f"dsv3-{layers}", layers)
+    contenders = {START: lambda out: streamck("--version")}
+    contenders |= {label: (lambda out, make=make: make(src, out)) for label, make in COUNT_COMMANDS.items()}
+    print(f"  {count} tensors ({layers} layers)", file=sys.stderr)
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (src,))
+    shutil.rmtree(src)
+    return count, runs
+
+
+def _count_tables(results: dict[int, dict[str, Runs]]) -> str:
+    """Per command and tensor count: CPU µs per tensor (start-up's taken off: what a loaded
+    machine changes least), wall seconds, peak RSS and KiB per tensor above start-up's; then the
+    growth of the time per tensor from the count nearest REFERENCE to the largest, and each
+    command against cp -r + sync there."""
+    counts, labels = sorted(results), list(COUNT_COMMANDS)
+
+    def off(n: int, label: str) -> Runs | None:
+        """What a streamck command's figures are taken from: its start-up's; None for cp."""
+        return None if label == CP else results[n][START]
+
+    def per(n: int, label: str, cpu: bool = True) -> float:
+        run, base = results[n][label], off(n, label)
+        taken = (base.cpu if cpu else base.wall) if base else 0
+        return ((run.cpu if cpu else run.wall) - taken) / n * 1e6
+
+    def kib(n: int, label: str) -> float:
+        base = off(n, label)
+        return (results[n][label].peak - (base.peak if base else 0)) / n / 1024
+
+    head, rule = "| tensors | start-up | " + " | ".join(labels) + " |", "|---" * (len(labels) + 2) + "|"
+    ref, top = min(counts, key=lambda n: abs(n - REFERENCE)), counts[-1]
+    rows = ["CPU (user + system) µs per tensor, start-up's taken off, then wall seconds (medians):\n", head, rule]
+    for n in counts:
+        cells = " | ".join(f"{per(n, k):.1f} µs, {results[n][k].wall:.2f} s" for k in labels)
+        rows.append(f"| {n:,} | {results[n][START].cpu:.2f} s CPU | {cells} |")
+    for what, cpu in (("CPU", True), ("wall", False)):
+        ratios = " | ".join(
+            f"{per(top, k, cpu) / per(ref, k, cpu):.2f}" if per(ref, k, cpu) > 0 else "–" for k in labels
+        )
+        rows.append(f"| {what} µs/tensor at {top:,} ÷ at {ref:,} | | {ratios} |")
+    cp = results[top][CP].wall
+    rows.append(
+        f"| wall ÷ cp -r + sync at {top:,} | | " + " | ".join(f"{results[top][k].wall / cp:.1f}" for k in labels) + " |"
+    )
+    rows += ["", "Peak RSS, then KiB per tensor above start-up's:\n", head, rule]
+    for n in counts:
+        cells = " | ".join(f"{mib(results[n][k].peak)}, {kib(n, k):.2f}" for k in labels)
+        rows.append(f"| {n:,} | {mib(results[n][START].peak)} | {cells} |")
+    return "\n".join(rows)
+
+
+@case
+def case_count(a: argparse.Namespace, tmp: Path) -> str:
+    """DeepSeek-V3's layout (FP8 + scales, 256 experts, MTP) at tiny shapes, 1.6k to 140k tensors:
+    ls, rewrite, --strip-prefix, --dry-run, hash and cp -r + sync; time per tensor as the count grows."""
+    results = {}
+    for layers in (int(x) for x in a.layers.split(",")):
+        count, runs = _count_runs(a, tmp, layers)
+        results[count] = runs
+    return (
+        f"Decoder layers {a.layers} (+ the MTP layer; 61 is the real model), ~565 tensors a shard as the real "
+        f"one's 163; {a.reps} interleaved reps, {a.settle:.0f} s settle, page cache warm.\n\n" + _count_tables(results)
     )
 
 
@@ -937,6 +1020,7 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=100, help="index: tensors per shard")
     p.add_argument("--schemes", default="FP8_BLOCK,NVFP4A16", help="quant: the schemes, comma-separated")
     p.add_argument("--eagle-scale", type=int, default=2, help="eagle4: divide the 70B-target draft's sizes by this")
+    p.add_argument("--layers", default="0,5,8,20,61,92", help="count: DeepSeek-V3 decoder layer counts")
     p.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md alone")
     a = p.parse_args()
     size = a.size

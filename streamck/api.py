@@ -16,6 +16,7 @@ from streamck.check import DiffResult
 from streamck.check import diff as _diff
 from streamck.check.diff import Side
 from streamck.errors import PlanError, UsageError
+from streamck.gcpause import paused
 from streamck.plan import Plan, Rule, Rules
 from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint
@@ -74,10 +75,11 @@ def build_plan(
         raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
     plan_rules = Rules(rules_from(rules) + extra, dtype)
-    compiled = spec.compile(plan_rules, copy_files=copy_files)
     from streamck.plan.moe import apply_experts, keep_fp32  # only here: ls and diff do not need them
 
-    compiled = apply_experts(keep_fp32(compiled, plan_rules), experts, builtin=spec.builtin)
+    with paused():  # the per-tensor objects of the plan (see streamck.gcpause)
+        compiled = spec.compile(plan_rules, copy_files=copy_files)
+        compiled = apply_experts(keep_fp32(compiled, plan_rules), experts, builtin=spec.builtin)
     if merge_lora is not None:
         compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
     return _quant_steps(compiled, dtype, quantize, quantize_ignore, quantize_lm_head)

@@ -13,6 +13,9 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
         "eagle4",
         "view",
         "dcpview",
+        "count",
+        "--layers",
+        "0,1",
         "--size",
         "8MiB",
         "--embed",
@@ -31,9 +34,10 @@ def test_bench_cases_run_at_toy_sizes(tmp_path):
     ]
     proc = run_bench(*args, env={**os.environ, "BENCH_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for case in ("rewrite", "index", "lsdiff", "eagle4", "view", "dcpview"):
+    for case in ("rewrite", "index", "lsdiff", "eagle4", "view", "dcpview", "count"):
         assert f"## {case}" in proc.stdout
     assert "| streamck rewrite |" in proc.stdout and "torch not imported" in proc.stdout
+    assert "| 1,587 |" in proc.stdout  # count: DeepSeek-V3's layout, one dense layer and the MTP one
 
 
 def test_bench_dcp_and_zero_cases_run_at_toy_sizes(tmp_path):

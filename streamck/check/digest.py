@@ -4,25 +4,76 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from streamck.manifest import build_manifest
 from streamck.source import Checkpoint
+from streamck.source.header import TensorRef
 from streamck.source.reader import Reader
 
 ALGORITHM = "sha256"
 
 
+BATCH = 1 << 20  # bytes of small neighbouring tensors read in one call
+
+
 def tensor_digests(checkpoint: Checkpoint, names: list[str] | None = None) -> dict[str, str]:
-    """The sha256 hex digest of every tensor's bytes (or of ``names`` only)."""
-    digests = {}
+    """The sha256 hex digest of every tensor's bytes (or of ``names`` only), in that order.
+    Small tensors that lie one after another in a file are read together (batches), not
+    with a read each: 92k reads for DeepSeek-V3's tensors, most of them a few bytes (#44)."""
+    order = list(names if names is not None else checkpoint.tensors)
+    digests: dict[str, str] = {}
     with Reader() as reader:
-        for name in names if names is not None else checkpoint.tensors:
-            h = hashlib.new(ALGORITHM)
-            for piece in reader.windows(checkpoint.tensors[name]):
-                h.update(piece)
-            digests[name] = h.hexdigest()
-    return digests
+        for group in batches([(n, checkpoint.tensors[n]) for n in order]):
+            if len(group) == 1:
+                h = hashlib.new(ALGORITHM)
+                for piece in reader.windows(group[0][1]):
+                    h.update(piece)
+                digests[group[0][0]] = h.hexdigest()
+                continue
+            first, end = group[0][1], group[-1][1].end
+            data = memoryview(
+                reader.read(TensorRef(first.name, "U8", (end - first.start,), first.path, first.start, end))
+            )
+            for name, ref in group:
+                piece = data[ref.start - first.start : ref.end - first.start]
+                digests[name] = hashlib.new(ALGORITHM, piece).hexdigest()
+    return {n: digests[n] for n in order}
+
+
+def _plain(ref: TensorRef) -> bool:
+    """Whether ``ref``'s bytes are one run of its file, as stored."""
+    return ref.strides is None and ref.tiles is None and not ref.parts
+
+
+Named = tuple[str, TensorRef]
+
+
+def batches(refs: list[Named], limit: int = BATCH) -> Iterator[list[Named]]:
+    """``refs`` (name, ref) in file order, grouped: plain ones (one run each) that follow one
+    another in one file, together at most ``limit`` bytes; any other alone."""
+    group: list[Named] = []
+    # By the path object's identity (one per file, shared by its refs), not its text: only
+    # neighbours are joined, and the digests come back in the caller's order.
+    for name, ref in sorted(refs, key=lambda r: (id(r[1].path), r[1].start)):
+        alone = not _plain(ref) or ref.nbytes > limit
+        if group and (alone or not _continues(group, ref, limit)):
+            yield group
+            group = []
+        if alone:
+            yield [(name, ref)]
+        else:
+            group.append((name, ref))
+    if group:
+        yield group
+
+
+def _continues(group: list[Named], ref: TensorRef, limit: int) -> bool:
+    """Whether plain ``ref`` follows ``group`` in its file and fits in its batch."""
+    last = group[-1][1]
+    same = ref.path is last.path or ref.path == last.path
+    return same and ref.start == last.end and ref.end - group[0][1].start <= limit
 
 
 def file_digests(checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:

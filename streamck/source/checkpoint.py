@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from operator import itemgetter
 from pathlib import Path
 
 from streamck.errors import CheckpointError, Info, listing
+from streamck.gcpause import paused
 from streamck.source import fsdp, olmo
 from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
@@ -78,7 +76,7 @@ def open_checkpoint(
     Raises CheckpointError for anything malformed.
     """
     path, picked = resolve_step(Path(path), step)
-    with _gc_paused():
+    with paused():
         try:
             ckpt = _index(path, key, zero, keep_tied)
         except OSError as e:  # stat or open of a path we may not enter or read
@@ -97,25 +95,6 @@ def resolve_step(path: Path, step: str | int | None) -> tuple[Path, list[Info]]:
         return path, []
     picked, why = pick_step(path, step)
     return picked, [Info(why)]
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    # Indexing makes ~5 objects per tensor and no cycles; the collector's passes over
-    # them cost a third of the time on a 100,000-tensor checkpoint. The index lives as
-    # long as the run, so its objects go straight to the oldest generation: freeze then
-    # unfreeze moves them there without a scan (unless the caller froze objects itself,
-    # which unfreeze would undo).
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        if enabled:
-            gc.enable()
 
 
 def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:

@@ -11,7 +11,8 @@ are also what people call their own exports); the plans check everything else.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping, Set
 
 # (what wrote it, what to do instead of renaming it, tensor-name globs that each match some
 # tensor). First match wins: EAGLE-4 drafts hold EAGLE-3's marks too.
@@ -53,8 +54,22 @@ PRODUCERS = (
 def plan_hint(names: Iterable[str]) -> str | None:
     """The line naming the plan for a checkpoint with tensors ``names``, or None when no
     producer with a plan is recognised."""
-    names = list(names)
+    names = names if isinstance(names, Mapping | Set) else set(names)
     for who, advice, marks in PRODUCERS:
-        if all(fnmatch.filter(names, mark) for mark in marks):
+        if all(_found(names, mark) for mark in sorted(marks, key=_is_glob)):  # plain names first
             return f"this looks like {who}: {advice}"
     return None
+
+
+def _is_glob(mark: str) -> bool:
+    return any(c in mark for c in "*?[")
+
+
+def _found(names: Mapping[str, object] | Set[str], mark: str) -> bool:
+    """Whether some name matches ``mark``: one lookup for a plain name, a scan only for a glob.
+    Every producer has a plain mark, so a checkpoint of none of them is never scanned (six
+    fnmatch passes over every name were 0.12 s of a 92k-tensor rewrite, #44)."""
+    if not _is_glob(mark):
+        return mark in names
+    match = re.compile(fnmatch.translate(mark)).match
+    return any(match(n) for n in names)

@@ -119,6 +119,13 @@ def _joined(group: list[OutputTensor]) -> Group:
     return group, _span(first, first.start, last.end - first.start)
 
 
+def _continues(before: TensorRef, ref: TensorRef) -> bool:
+    """Whether ``ref``'s bytes follow ``before``'s in one file. The refs of one file share its
+    Path object (read_header keeps it), so identity answers first: Path's own ``==`` compares
+    parsed parts in Python, 0.17 s of a 92k-tensor copy (#44)."""
+    return ref.start == before.end and (ref.path is before.path or ref.path == before.path)
+
+
 def spans(tensors: list[OutputTensor]) -> Iterator[Group]:
     """``tensors`` in write order, grouped: each tensor whose bytes are one unchanged run
     (one_run) together with the ones after it that continue it in its source file, whatever
@@ -132,7 +139,7 @@ def spans(tensors: list[OutputTensor]) -> Iterator[Group]:
                 group = []
             yield [t], None
             continue
-        if group and (t.source.path != group[-1].source.path or t.source.start != group[-1].source.end):
+        if group and not _continues(group[-1].source, t.source):
             yield _joined(group)
             group = []
         group.append(t)

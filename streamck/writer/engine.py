@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamck.errors import OutputError, PlanError, UsageError, listing
+from streamck.gcpause import paused
 from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
@@ -165,7 +166,8 @@ def write_plan(
     if single and plan.source is not None:
         _refuse_joining(out, plan)
     default = TORCH_SINGLE_NAME if format == "torch" else SINGLE_NAME
-    shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format, keep_shards)
+    with paused():  # headers and layouts: a few objects per tensor (see streamck.gcpause)
+        shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format, keep_shards)
     if part is None:
         check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
     else:
@@ -176,7 +178,8 @@ def write_plan(
     owners = assign(shards, part[1]) if part is not None else []
     sharing = Sharing.probe(out if part is not None else out.parent) if format == "safetensors" else None
     if sharing is not None:
-        shards = [line_up(s, sharing, header_align) for s in shards]
+        with paused():
+            shards = [line_up(s, sharing, header_align) for s in shards]
     bar = reporter(plan.total_size, progress, kinds=work_kinds(plan), verify=verify)
     workers = Workers(jobs, chunk, device, drop_cache, bar, sharing)
     if _casts(plan, device):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from streamck.errors import PlanError, UsageError
 from streamck.plan.compile import OutputTensor, Plan
-from streamck.plan.moe.blocks import Block, layout_line
+from streamck.plan.moe.blocks import Block, by_block, layout_line
 from streamck.plan.moe.experts import blocks_of, check_count, check_per_expert, check_router, fuse_block, unfuse_block
 from streamck.plan.moe.families import FAMILIES, REFUSED, Family, expert_count, family_of
 from streamck.plan.moe.fp32 import keep_fp32 as _keep_fp32
@@ -90,13 +90,14 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
     stated = expert_count(config)
     extra = sum(k if isinstance(k, int) else _int(config.get(k)) for k in fam.router_extra)
     ts = {t.name: t for t in plan.tensors}
+    members = by_block(ts, blocks)  # once: a pass over every tensor per block was quadratic
     done: dict[str, list[OutputTensor]] = {}
     for b in blocks.values():
         if b.fused and b.experts:
             raise PlanError(f"MoE block {b.name}: both fused and per-expert tensors")
         if fam.block and b.leaf not in (fam.block, fam.disk_block):
             raise PlanError(f"MoE block {b.name}: {model_type} keeps its experts under .{fam.block}, not .{b.leaf}")
-        block_ts = {n: t for n, t in ts.items() if n.startswith(b.name + ".")}
+        block_ts = members.get(b.name, {})
         if b.fused:
             if mode == "auto":
                 done[b.name] = unfuse_block(block_ts, b, fam, stated, extra, tile_rows(config))
@@ -136,8 +137,8 @@ def _replaced(plan: Plan, done: dict[str, list[OutputTensor]], model_type: str, 
     family's disk names (runtime ones for ``fuse``), and a summary line."""
     if not done:
         return plan
-    prefixes = tuple(name + "." for name in done)
-    tensors = [t for t in plan.tensors if not t.name.startswith(prefixes)]
+    under = {n for block in by_block({t.name: t for t in plan.tensors}, done).values() for n in block}
+    tensors = [t for t in plan.tensors if t.name not in under]
     tensors += [t for block in done.values() for t in block]
     if mode != "fuse":
         tensors = [replace(t, name=fam.disk_name(t.name)) for t in tensors]

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from streamck.plan.moe.families import FAMILIES
 from streamck.plan.moe.layout import DOWN, GATE_UP
+
+T = TypeVar("T")
 
 _FUSED = re.compile(rf"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<kind>{GATE_UP}|{DOWN})$")
 _PER_EXPERT = re.compile(r"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
@@ -36,12 +40,37 @@ def find_blocks(names: Iterable[str]) -> dict[str, Block]:
     for name in sorted(names):
         m = _FUSED.match(name)
         if m:
-            blocks.setdefault(m["block"], Block(m["block"])).fused[m["kind"]] = name
+            _block(blocks, m["block"]).fused[m["kind"]] = name
             continue
         m = _PER_EXPERT.match(name)
         if m:
-            blocks.setdefault(m["block"], Block(m["block"])).experts[m["proj"]][int(m["e"])] = name
+            _block(blocks, m["block"]).experts[m["proj"]][int(m["e"])] = name
     return blocks
+
+
+def _block(blocks: dict[str, Block], name: str) -> Block:
+    """Block ``name`` of ``blocks``, made once: ``setdefault(name, Block(name))`` made one per
+    expert tensor (92k at DeepSeek-V3's size) to throw all but one away."""
+    block = blocks.get(name)
+    if block is None:
+        block = blocks[name] = Block(name)
+    return block
+
+
+def by_block(items: Mapping[str, T], blocks: Iterable[str]) -> dict[str, dict[str, T]]:
+    """``items`` (by name) grouped under each block that their names lie under (``a.b.c`` lies
+    under ``a`` and ``a.b``), in name order; a block with nothing under it is absent.
+
+    The names are sorted once and each block's are the range between ``block.`` and ``block/``
+    (``/`` follows ``.``), found by bisection: testing every name against every block was
+    quadratic, a block per layer (39% of a DeepSeek-V3 --dry-run, #44)."""
+    names = sorted(items)
+    out: dict[str, dict[str, T]] = {}
+    for block in blocks:
+        lo, hi = bisect_left(names, block + "."), bisect_left(names, block + "/")
+        if lo < hi:
+            out[block] = {n: items[n] for n in names[lo:hi]}
+    return out
 
 
 # Trainers' own grouped experts: name pattern -> (what holds them, the expert axis, layers stacked on axis 0).
