@@ -15,9 +15,11 @@ from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
 from streamck.source.layout import Layout, bare_run_root, find_layout
+from streamck.source.remote_layout import remote_layout
 from streamck.source.steps import pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
+from streamck.storage import UrlPath, location
 
 
 def _also_in(name: str, tensors: dict[str, TensorRef], shard: Path) -> CheckpointError:
@@ -77,7 +79,7 @@ def open_checkpoint(
     unless ``keep_tied``.
     Raises CheckpointError for anything malformed.
     """
-    path, picked = resolve_step(Path(path), step)
+    path, picked = resolve_step(location(path), step)
     with _gc_paused():
         try:
             ckpt = _index(path, key, zero, keep_tied)
@@ -90,7 +92,11 @@ def open_checkpoint(
 def resolve_step(path: Path, step: str | int | None) -> tuple[Path, list[Info]]:
     """The folder to read for ``path`` and ``step``: a run root's step (``latest`` too, and
     implied where the run marks it and no ``--step`` is given), else ``path``; with a note
-    saying which step was picked, for the user to see."""
+    saying which step was picked, for the user to see. A URL is read as it is."""
+    if isinstance(path, UrlPath):
+        if step is not None:
+            raise CheckpointError("--step: run roots of steps are not read from URLs yet; give the step's URL", path)
+        return path, []
     if step is None and bare_run_root(path):
         step = "latest"
     if step is None:
@@ -154,7 +160,7 @@ _name = itemgetter(0)  # TensorRef.name, at C speed
 
 
 def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied: bool = False) -> Checkpoint:
-    layout = find_layout(path)
+    layout = remote_layout(path) if isinstance(path, UrlPath) else find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
         found = untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
         return not_empty(found, "DeepSpeed ZeRO")

@@ -24,6 +24,7 @@ from streamck.errors import CheckpointError
 from streamck.fileio import read_into, write_all
 from streamck.source.header import TensorRef
 from streamck.source.runs import RowBlocks, Run
+from streamck.storage import ByteSource, UrlPath, open_source
 
 # Bytes per buffer fill: a cast step, a comparison window, a digest update.
 CHUNK = 16 << 20
@@ -70,6 +71,7 @@ class Reader:
     def __init__(self, chunk: int = CHUNK, copy_mode: str | None = None, copy_chunk: int = COPY_CHUNK):
         self.chunk, self.copy_chunk = chunk, copy_chunk
         self._fds: dict[Path, int] = {}
+        self._remote: dict[UrlPath, ByteSource] = {}  # remote files' sources (streamck.storage)
         self._max_fds = pool_size()
         self._buffer: mmap.mmap | None = None
         self._spare = bytearray()
@@ -78,6 +80,8 @@ class Reader:
     def fd(self, path: Path) -> int:
         """A read-only fd on ``path``, from the pool: at most pool_size() stay open, the least
         recently used closed first (a ZeRO or DCP checkpoint may have thousands of files)."""
+        if isinstance(path, UrlPath):
+            raise CheckpointError("only safetensors files are read from URLs yet", path)
         fd = self._fds.pop(path, None)
         if fd is None:
             if len(self._fds) >= self._max_fds:
@@ -89,10 +93,20 @@ class Reader:
         self._fds[path] = fd  # re-inserted: dicts keep insertion order, the oldest comes first
         return fd
 
+    def remote(self, path: UrlPath) -> ByteSource:
+        """The source of the remote file ``path``, opened on first use and kept until ``close``."""
+        src = self._remote.get(path)
+        if src is None:
+            src = self._remote[path] = open_source(path)
+        return src
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for src in self._remote.values():
+            src.close()
+        self._remote.clear()
 
     def __enter__(self) -> Reader:
         return self
@@ -173,6 +187,11 @@ class Reader:
         return memoryview(self._spare)[:n]
 
     def _copy_run(self, run: Run, out: int, progress: Callable[[int], None]) -> None:
+        if isinstance(run.path, UrlPath):  # ranged requests, a few ahead, each piece written as it comes
+            for data in self.remote(run.path).pieces(run.offset, run.length, self.chunk):
+                write_all(out, data)
+                progress(len(data))
+            return
         src, offset, end = self.fd(run.path), run.offset, run.offset + run.length
         while offset < end:
             count = min(self.copy_chunk, end - offset)
@@ -220,6 +239,12 @@ class _Filler:
 
     def _read(self, path: Path, group: tuple[int, int, list[memoryview]]) -> None:
         start, end, views = group
+        if isinstance(path, UrlPath):  # consecutive views: a short read's block serves the next ones
+            src = self.reader.remote(path)
+            for view in views:
+                src.readinto(view, start)
+                start += len(view)
+            return
         fd = self.reader.fd(path)
         n = os.preadv(fd, views, start)
         if n == end - start:

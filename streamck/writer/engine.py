@@ -15,6 +15,7 @@ from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
 from streamck.source.torchzip import TORCH_SUFFIXES
+from streamck.storage import UrlPath
 from streamck.writer.atomic import atomic_output, check_target, refuse_source
 from streamck.writer.clone import Sharing, line_up
 from streamck.writer.layout import (
@@ -214,7 +215,13 @@ def write_plan(
 
 
 def _write_part(
-    plan: Plan, out: Path, shards: list[Shard], owners: list[int], k: int, workers: Workers, verify: bool,
+    plan: Plan,
+    out: Path,
+    shards: list[Shard],
+    owners: list[int],
+    k: int,
+    workers: Workers,
+    verify: bool,
     strict: bool = False,
 ) -> tuple[list[Path], int, int]:
     """Part ``k`` (1-based): the shards ``owners`` gives it (each shard's 0-based part), each
@@ -291,8 +298,8 @@ def _refuse_joining(out: Path, plan: Plan) -> None:
     """A file output written into the source's own directory, where it would be read as one
     of its shards from then on, is refused: the source would no longer open as it did."""
     src = plan.source
-    if src.path.is_file():
-        return  # one file was asked for: what lies beside it is no part of it
+    if isinstance(src.path, UrlPath) or src.path.is_file():
+        return  # a remote source, or one file asked for: what lies beside it is no part of it
     if out.parent.resolve() in (src.root.resolve(), src.path.resolve()) and joins_shards(out.parent, out.name):
         raise OutputError(
             "is inside the source checkpoint's directory and would be read as one of its shards from then on; "
@@ -332,6 +339,13 @@ def _put(data: Path | bytes, dest: Path, replace: bool = False) -> None:
     to ``dest``, then fsync what was written."""
     if isinstance(data, bytes):
         dest.write_bytes(data)
+    elif isinstance(data, UrlPath):  # a remote side file (small: a config, a tokenizer), or a folder of them
+        if data.is_dir():
+            dest.mkdir(exist_ok=replace)
+            for entry in data.iterdir():
+                _put(entry, dest / entry.name, replace)
+        else:
+            dest.write_bytes(data.read_bytes())
     elif data.is_dir():
         shutil.copytree(data, dest, dirs_exist_ok=replace)
     else:

@@ -268,8 +268,10 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     left = state_note(common, [n for n in ckpt.tensors if n not in keys], len(outputs))
     plan = hf_export.assemble(ckpt, outputs, rules, config, summary, left)
     if args and config_path is None and not args.get("vocab_size"):  # a Hugging Face tokenizer's run
-        plan.source.notices.append(f"the args name no tokenizer vocabulary (args.vocab_size unset): all {sizes['Vp']} "
-                                   "padded rows written; --hf-config with the tokenizer's vocab_size trims them")
+        plan.source.notices.append(
+            f"the args name no tokenizer vocabulary (args.vocab_size unset): all {sizes['Vp']} "
+            "padded rows written; --hf-config with the tokenizer's vocab_size trims them"
+        )
     if verl is not None:
         plan.side_files = {**tokenizer_files(verl), **plan.side_files}
         plan.source.notices.append(left_out(verl))

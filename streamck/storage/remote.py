@@ -1,0 +1,197 @@
+"""Remote files through fsspec: ranged reads, a few in flight, never a whole file in memory.
+
+fsspec and the filesystem package for a URL's scheme (s3fs for ``s3://``) are imported on
+the first URL, so that local runs never pay for them; a missing one is a UsageError naming
+the package to install. Credentials and the endpoint are the filesystem's own business: s3fs
+reads what the AWS CLI reads (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``~/.aws/config``,
+``AWS_ACCESS_KEY_ID`` …). Any failure of a request is one line naming the URL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+from streamck.errors import CheckpointError, StreamckError, UsageError
+from streamck.storage.url import UrlPath
+
+CONCURRENCY_ENV = "STREAMCK_REMOTE_CONCURRENCY"
+CONCURRENCY = 4  # ranged requests (or part uploads) in flight per file
+PIECE = 16 << 20  # bytes per ranged GET of a long run
+BLOCK = 4 << 20  # bytes fetched from a short read's offset on, kept for the short reads after it
+EXTRA = "pip install 'streamck[remote]'"
+
+
+def concurrency() -> int:
+    """Requests in flight per file: ``STREAMCK_REMOTE_CONCURRENCY``, else CONCURRENCY."""
+    raw = os.environ.get(CONCURRENCY_ENV, "")
+    try:
+        value = int(raw) if raw else CONCURRENCY
+    except ValueError:
+        raise UsageError(f"{CONCURRENCY_ENV}={raw!r}: give a number of requests, such as 4") from None
+    if value < 1:
+        raise UsageError(f"{CONCURRENCY_ENV}={raw!r}: must be at least 1")
+    return value
+
+
+def filesystem(url: UrlPath):
+    """The fsspec filesystem for ``url``'s scheme (fsspec keeps one instance per set of options)."""
+    try:
+        import fsspec
+        from fsspec.registry import known_implementations
+    except ModuleNotFoundError:
+        raise UsageError(f"{url}: reading and writing URLs needs fsspec: {EXTRA}") from None
+    try:
+        cls = fsspec.get_filesystem_class(url.scheme)
+    except ValueError:
+        raise UsageError(f"{url}: no fsspec filesystem knows the scheme {url.scheme}://") from None
+    except ImportError:
+        package = known_implementations.get(url.scheme, {}).get("class", url.scheme).split(".")[0]
+        what = f"{EXTRA}" if package == "s3fs" else f"pip install {package}"
+        raise UsageError(f"{url}: {url.scheme}:// needs the {package} package: {what}") from None
+    return cls()
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as the first line of what it says, with its type when it says nothing."""
+    text = str(e).strip().splitlines()
+    return text[0] if text and text[0] else type(e).__name__
+
+
+@contextmanager
+def remote_errors(url: UrlPath, error: type[StreamckError] = CheckpointError, doing: str = "cannot read"):
+    """Any failure of a request inside as one ``error`` line naming ``url``."""
+    try:
+        yield
+    except StreamckError:
+        raise
+    except FileNotFoundError:
+        raise error("no such file or directory (or bucket)", url) from None
+    except PermissionError as e:
+        raise error(f"{doing}: access denied ({one_line(e)}); check the credentials", url) from None
+    except Exception as e:
+        raise error(f"{doing}: {one_line(e)}", url) from None
+
+
+def info(url: UrlPath, fresh: bool = False) -> dict | None:
+    """What the filesystem says of ``url`` (``type``, ``size`` …); None when nothing is there.
+    ``fresh`` drops what fsspec remembers of its folder first (an output being checked)."""
+    fs = filesystem(url)
+    if fresh:
+        fs.invalidate_cache(url.key)
+    with remote_errors(url):
+        try:
+            return fs.info(url.key)
+        except FileNotFoundError:
+            return None
+
+
+def listdir(url: UrlPath, fresh: bool = False) -> dict[str, dict]:
+    """The entries of the folder ``url`` by name (each its info); empty when there is none."""
+    fs = filesystem(url)
+    if fresh:
+        fs.invalidate_cache(url.key)
+    with remote_errors(url):
+        try:
+            entries = fs.ls(url.key, detail=True)
+        except FileNotFoundError:
+            return {}
+    return {e["name"].rstrip("/").rpartition("/")[2]: e for e in entries if e["name"].rstrip("/") != url.key}
+
+
+def read_bytes(url: UrlPath) -> bytes:
+    """A small file's bytes (an index, a config): side files only, never a weights file.
+    FileNotFoundError when there is none, as a local path's read_bytes raises."""
+    fs = filesystem(url)
+    with remote_errors(url):
+        try:
+            return fs.cat_file(url.key)
+        except FileNotFoundError:
+            pass
+    raise FileNotFoundError(2, "No such file or directory", str(url))
+
+
+def remote_stamp(url: UrlPath) -> tuple[int, int, str]:
+    """``url``'s size, modification time (ns) and ETag as the server says them now."""
+    found = info(url, fresh=True)
+    if found is None:
+        raise FileNotFoundError(2, "No such file or directory", str(url))
+    modified = found.get("LastModified") or found.get("mtime") or found.get("updated")
+    ns = int(modified.timestamp() * 1e9) if hasattr(modified, "timestamp") else 0
+    tag = found.get("ETag") or found.get("etag") or found.get("md5Hash") or ""
+    return int(found["size"]), ns, str(tag)
+
+
+class RemoteSource:
+    """A remote file read by ranged GETs: a long read in PIECE requests, up to concurrency()
+    in flight and delivered in order; a short one from a BLOCK fetched at its offset, which
+    the short reads after it (the small tensors that follow in the file) are served from."""
+
+    def __init__(self, url: UrlPath, fs, size: int):
+        self.url, self.fs, self.size = url, fs, size
+        self._block_at, self._block = 0, b""
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead = concurrency()
+
+    @classmethod
+    def open(cls, url: UrlPath) -> RemoteSource:
+        found = info(url)
+        if found is None:
+            raise CheckpointError("no such file or directory (or bucket)", url)
+        if found.get("type") != "file":
+            raise CheckpointError("is a directory, expected a .safetensors file", url)
+        return cls(url, filesystem(url), int(found["size"]))
+
+    def get(self, start: int, end: int) -> bytes:
+        """The bytes ``[start, end)``, all of them, in one request."""
+        with remote_errors(self.url):
+            data = self.fs.cat_file(self.url.key, start=start, end=end)
+        if len(data) != end - start:
+            raise CheckpointError("file ended before its last tensor's bytes (truncated?)", self.url)
+        return data
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        n = len(view)
+        if n >= BLOCK:  # split over the requests in flight
+            at = 0
+            for data in self.pieces(offset, n, max(BLOCK // 4, -(-n // self._ahead))):
+                view[at : at + len(data)] = data
+                at += len(data)
+            return
+        if not (self._block_at <= offset and offset + n <= self._block_at + len(self._block)):
+            self._block_at, self._block = offset, self.get(offset, min(self.size, offset + BLOCK))
+            if n > len(self._block):
+                raise CheckpointError("file ended before its last tensor's bytes (truncated?)", self.url)
+        at = offset - self._block_at
+        view[:] = self._block[at : at + n]
+
+    def pieces(self, offset: int, length: int, piece: int = PIECE) -> Iterator[bytes]:
+        """The bytes ``[offset, offset + length)`` in order, ``piece`` bytes per request, a few
+        requests ahead (memory: concurrency() pieces at most)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix="streamck-get")
+        starts = iter(range(offset, offset + length, piece))
+        end = offset + length
+        pending: deque[Future] = deque()
+        try:
+            for start in starts:
+                pending.append(self._pool.submit(self.get, start, min(start + piece, end)))
+                if len(pending) >= self._ahead:
+                    break
+            while pending:
+                data = pending.popleft().result()
+                start = next(starts, None)
+                if start is not None:
+                    pending.append(self._pool.submit(self.get, start, min(start + piece, end)))
+                yield data
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
