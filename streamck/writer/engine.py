@@ -15,7 +15,7 @@ from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
 from streamck.source.torchzip import TORCH_SUFFIXES
-from streamck.storage import UrlPath
+from streamck.storage import UrlPath, is_url, location
 from streamck.writer.atomic import atomic_output, check_target, refuse_source
 from streamck.writer.clone import Sharing, line_up
 from streamck.writer.layout import (
@@ -31,6 +31,7 @@ from streamck.writer.layout import (
 )
 from streamck.writer.parts import assign, check_directory
 from streamck.writer.progress import Silent, reporter
+from streamck.writer.remote import check_remote_target, write_remote
 from streamck.writer.shardwriter import ShardWriter, Syncer, Workers
 from streamck.writer.torchsave import refuse_unsaveable
 from streamck.writer.verify import verify_shard
@@ -140,7 +141,7 @@ def write_plan(
         result = _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
         _refuse_overflow(result.overflow, strict)
         return result
-    out = _target(out)
+    out = location(out) if is_url(out) else _target(out)
     named = file_format(out)
     single = named is not None
     if format is not None and format not in FORMATS:
@@ -163,10 +164,14 @@ def write_plan(
     if keep_shards:
         _check_keep_shards(plan, out, single, format, max_shard_size)
     sources = list(plan.source.files) if plan.source else []
-    if single and plan.source is not None:
+    if single and plan.source is not None and not isinstance(out, UrlPath):
         _refuse_joining(out, plan)
     default = TORCH_SINGLE_NAME if format == "torch" else SINGLE_NAME
     shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format, keep_shards)
+    if isinstance(out, UrlPath):
+        _refuse_for_urls(out, format, verify, part)
+        check_remote_target(out, sources, not single, force, [*plan.files, *plan.side_files])
+        return _write_url(plan, out, shards, single, force, strict, progress, jobs, chunk, device)
     if part is None:
         check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
     else:
@@ -254,6 +259,39 @@ def _write_part(
         plan.source.check_unchanged()
     written = [out / s.filename for s in mine] + [out / n for n in sorted(extras) if n not in index or complete]
     return written, sum(t.nbytes for s in mine for t in s.tensors), sum(len(s.tensors) for s in mine)
+
+
+def _refuse_for_urls(out: UrlPath, format: str, verify: bool, part: tuple[int, int] | None) -> None:
+    """What a URL output does not do yet, refused before anything is sent."""
+    if format != "safetensors":
+        raise UsageError(f"torch archives are written to local paths only yet, not {out}")
+    if verify:
+        raise UsageError("--verify re-reads the output from disk: not for URL outputs yet")
+    if part is not None:
+        raise UsageError("--part writes into a folder shared by its runs: not to URLs yet")
+
+
+def _write_url(
+    plan: Plan, out: UrlPath, shards: list[Shard], single: bool, force: bool, strict: bool,
+    progress: bool | str | Silent, jobs: int, chunk: int, device: str | None,
+) -> WriteResult:  # fmt: skip
+    """``plan`` into the bucket at ``out`` (streamck.writer.remote): nothing there until all is."""
+    bar = reporter(plan.total_size, progress, kinds=work_kinds(plan))
+    workers = Workers(jobs, chunk, device, False, bar)
+    if _casts(plan, device):
+        _caster(workers.first)
+
+    def before_commit() -> None:
+        _refuse_overflow(workers.overflow, strict)
+        if plan.source is not None:
+            plan.source.check_unchanged()
+
+    try:
+        files = write_remote(out, shards, _extras(plan, shards), workers, single, force, before_commit)
+    finally:
+        workers.close()
+        bar.close()
+    return WriteResult(files, plan.total_size, workers.overflow, 0, len(plan.tensors))
 
 
 def work_kinds(plan: Plan) -> dict[str, tuple[str, int]]:
