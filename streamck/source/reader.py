@@ -18,13 +18,17 @@ import mmap
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
 from streamck.fileio import read_into, write_all
 from streamck.source.header import TensorRef
 from streamck.source.runs import RowBlocks, Run
-from streamck.storage import ByteSource, UrlPath, open_source
+from streamck.storage import UrlPath
+
+if TYPE_CHECKING:
+    from streamck.storage.remote import RemoteSource
 
 # Bytes per buffer fill: a cast step, a comparison window, a digest update.
 CHUNK = 16 << 20
@@ -71,7 +75,7 @@ class Reader:
     def __init__(self, chunk: int = CHUNK, copy_mode: str | None = None, copy_chunk: int = COPY_CHUNK):
         self.chunk, self.copy_chunk = chunk, copy_chunk
         self._fds: dict[Path, int] = {}
-        self._remote: dict[UrlPath, ByteSource] = {}  # remote files' sources (streamck.storage)
+        self._remote: dict[UrlPath, RemoteSource] = {}  # remote files' sources (streamck.storage)
         self._max_fds = pool_size()
         self._buffer: mmap.mmap | None = None
         self._spare = bytearray()
@@ -93,11 +97,13 @@ class Reader:
         self._fds[path] = fd  # re-inserted: dicts keep insertion order, the oldest comes first
         return fd
 
-    def remote(self, path: UrlPath) -> ByteSource:
+    def remote(self, path: UrlPath) -> RemoteSource:
         """The source of the remote file ``path``, opened on first use and kept until ``close``."""
         src = self._remote.get(path)
         if src is None:
-            src = self._remote[path] = open_source(path)
+            from streamck.storage.remote import RemoteSource
+
+            src = self._remote[path] = RemoteSource.open(path)
         return src
 
     def close(self) -> None:
@@ -242,7 +248,7 @@ class _Filler:
         if isinstance(path, UrlPath):  # consecutive views: a short read's block serves the next ones
             src = self.reader.remote(path)
             for view in views:
-                src.readinto(view, start)
+                src.read_near(view, start)
                 start += len(view)
             return
         fd = self.reader.fd(path)

@@ -52,7 +52,23 @@ def filesystem(url: UrlPath):
         package = known_implementations.get(url.scheme, {}).get("class", url.scheme).split(".")[0]
         what = f"{EXTRA}" if package == "s3fs" else f"pip install {package}"
         raise UsageError(f"{url}: {url.scheme}:// needs the {package} package: {what}") from None
+    if getattr(cls, "async_impl", False):
+        _quiet_loop()
     return cls()
+
+
+def _quiet_loop() -> None:
+    """Keep fsspec's event loop from logging the connection errors of requests cut short (a
+    server that died mid-transfer): the failed call raises them already, as one line."""
+    from fsspec.asyn import get_loop
+
+    loop = get_loop()
+
+    def handler(loop, context: dict) -> None:
+        if not isinstance(context.get("exception"), OSError | ConnectionError):
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 def one_line(e: BaseException) -> str:
@@ -127,8 +143,8 @@ def remote_stamp(url: UrlPath) -> tuple[int, int, str]:
 
 class RemoteSource:
     """A remote file read by ranged GETs: a long read in PIECE requests, up to concurrency()
-    in flight and delivered in order; a short one from a BLOCK fetched at its offset, which
-    the short reads after it (the small tensors that follow in the file) are served from."""
+    in flight and delivered in order; a short one exactly (``readinto``) or from a BLOCK
+    fetched at its offset, which the short reads after it are served from (``read_near``)."""
 
     def __init__(self, url: UrlPath, fs, size: int):
         self.url, self.fs, self.size = url, fs, size
@@ -154,12 +170,23 @@ class RemoteSource:
         return data
 
     def readinto(self, view: memoryview, offset: int) -> None:
+        """Exactly the bytes asked for (a header reads 8 bytes, then its length): one request,
+        or for a long read PIECE-sized ones a few at a time."""
         n = len(view)
-        if n >= BLOCK:  # split over the requests in flight
-            at = 0
-            for data in self.pieces(offset, n, max(BLOCK // 4, -(-n // self._ahead))):
-                view[at : at + len(data)] = data
-                at += len(data)
+        if n < BLOCK:
+            view[:] = self.get(offset, offset + n)
+            return
+        at = 0
+        for data in self.pieces(offset, n, max(BLOCK // 4, -(-n // self._ahead))):  # split over those in flight
+            view[at : at + len(data)] = data
+            at += len(data)
+
+    def read_near(self, view: memoryview, offset: int) -> None:
+        """A short read (a small tensor) from the BLOCK kept from the last one, or a new BLOCK
+        fetched from ``offset`` on: the small tensors that follow it in the file come from it too."""
+        n = len(view)
+        if n >= BLOCK:
+            self.readinto(view, offset)
             return
         if not (self._block_at <= offset and offset + n <= self._block_at + len(self._block)):
             self._block_at, self._block = offset, self.get(offset, min(self.size, offset + BLOCK))

