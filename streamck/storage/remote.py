@@ -5,6 +5,8 @@ the first URL, so that local runs never pay for them; a missing one is a UsageEr
 the package to install. Credentials and the endpoint are the filesystem's own business: s3fs
 reads what the AWS CLI reads (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``~/.aws/config``,
 ``AWS_ACCESS_KEY_ID`` …). Any failure of a request is one line naming the URL.
+URLs come as streamck.storage.UrlPath (``.scheme``, ``.key``), typed here as the
+PurePosixPath it is: streamck.storage.url imports this module.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import PurePosixPath
 
 from streamck.errors import CheckpointError, StreamckError, UsageError
-from streamck.storage.url import UrlPath
 
 CONCURRENCY_ENV = "STREAMCK_REMOTE_CONCURRENCY"
 CONCURRENCY = 4  # ranged requests (or part uploads) in flight per file
@@ -37,7 +39,7 @@ def concurrency() -> int:
     return value
 
 
-def filesystem(url: UrlPath):
+def filesystem(url: PurePosixPath):
     """The fsspec filesystem for ``url``'s scheme (fsspec keeps one instance per set of options)."""
     try:
         import fsspec
@@ -78,7 +80,7 @@ def one_line(e: BaseException) -> str:
 
 
 @contextmanager
-def remote_errors(url: UrlPath, error: type[StreamckError] = CheckpointError, doing: str = "cannot read"):
+def remote_errors(url: PurePosixPath, error: type[StreamckError] = CheckpointError, doing: str = "cannot read"):
     """Any failure of a request inside as one ``error`` line naming ``url``."""
     try:
         yield
@@ -92,7 +94,7 @@ def remote_errors(url: UrlPath, error: type[StreamckError] = CheckpointError, do
         raise error(f"{doing}: {one_line(e)}", url) from None
 
 
-def info(url: UrlPath, fresh: bool = False) -> dict | None:
+def info(url: PurePosixPath, fresh: bool = False) -> dict | None:
     """What the filesystem says of ``url`` (``type``, ``size`` …); None when nothing is there.
     ``fresh`` drops what fsspec remembers of its folder first (an output being checked)."""
     fs = filesystem(url)
@@ -105,7 +107,7 @@ def info(url: UrlPath, fresh: bool = False) -> dict | None:
             return None
 
 
-def listdir(url: UrlPath, fresh: bool = False) -> dict[str, dict]:
+def listdir(url: PurePosixPath, fresh: bool = False) -> dict[str, dict]:
     """The entries of the folder ``url`` by name (each its info); empty when there is none."""
     fs = filesystem(url)
     if fresh:
@@ -118,7 +120,7 @@ def listdir(url: UrlPath, fresh: bool = False) -> dict[str, dict]:
     return {e["name"].rstrip("/").rpartition("/")[2]: e for e in entries if e["name"].rstrip("/") != url.key}
 
 
-def read_bytes(url: UrlPath) -> bytes:
+def read_bytes(url: PurePosixPath) -> bytes:
     """A small file's bytes (an index, a config): side files only, never a weights file.
     FileNotFoundError when there is none, as a local path's read_bytes raises."""
     fs = filesystem(url)
@@ -130,7 +132,7 @@ def read_bytes(url: UrlPath) -> bytes:
     raise FileNotFoundError(2, "No such file or directory", str(url))
 
 
-def remote_stamp(url: UrlPath) -> tuple[int, int, str]:
+def remote_stamp(url: PurePosixPath) -> tuple[int, int, str]:
     """``url``'s size, modification time (ns) and ETag as the server says them now."""
     found = info(url, fresh=True)
     if found is None:
@@ -146,14 +148,14 @@ class RemoteSource:
     in flight and delivered in order; a short one exactly (``readinto``) or from a BLOCK
     fetched at its offset, which the short reads after it are served from (``read_near``)."""
 
-    def __init__(self, url: UrlPath, fs, size: int):
+    def __init__(self, url: PurePosixPath, fs, size: int):
         self.url, self.fs, self.size = url, fs, size
         self._block_at, self._block = 0, b""
         self._pool: ThreadPoolExecutor | None = None
         self._ahead = concurrency()
 
     @classmethod
-    def open(cls, url: UrlPath) -> RemoteSource:
+    def open(cls, url: PurePosixPath) -> RemoteSource:
         found = info(url)
         if found is None:
             raise CheckpointError("no such file or directory (or bucket)", url)
