@@ -133,6 +133,8 @@ def test_missing_keys_buckets_and_packages_are_one_line(server, bucket):
         assert (
             one_line(s3(server, "ls", url, check=2)) == f"streamck: error: {url}: no such file or directory (or bucket)"
         )
+    line = one_line(s3(server, "hash", f"s3://{bucket}/nothing", "-o", f"s3://{bucket}/h.json", check=2))
+    assert "the manifest is written to a local file (or stdout) only" in line
     line = one_line(s3(server, "ls", "gs://bucket/model.safetensors", check=2))
     assert line.endswith("gs:// needs the gcsfs package: pip install gcsfs")
 
