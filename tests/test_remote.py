@@ -128,6 +128,26 @@ def test_ls_and_diff_fetch_headers_only(tmp_path, server, bucket):
     assert server.proxy.down > 64 << 20
 
 
+def test_a_rewrite_fetches_only_the_bytes_it_writes(tmp_path, server, bucket):
+    """Small tensors written in another order than the file's (renamed), half of them dropped:
+    the kept bytes are fetched once each, and the dropped ones not at all (the proxy's count)."""
+    rng = np.random.default_rng(2)
+    sizes = [32 << 10, 96 << 10, 300 << 10, 2 << 20]  # float32 elements: 128 KiB to 8 MiB
+    tensors = {
+        f"model.z{i:02d}.{'keep' if i % 2 else 'drop'}": rng.random(sizes[i % 4], dtype=np.float32) for i in range(24)
+    }
+    tensors |= {f"model.a{i:02d}.keep": rng.random(sizes[i % 4], dtype=np.float32) for i in range(8)}
+    save_sharded(tmp_path / "src", tensors, 2)
+    server.fs().put(f"{tmp_path / 'src'}/", f"{bucket}/src/", recursive=True)
+    kept = sum(t.nbytes for n, t in tensors.items() if n.endswith("keep"))
+    args = ["--strip-prefix", "model.", "--drop", "*.drop", "--rename", "^a(.*)=y\\1"]
+    server.proxy.reset()
+    s3(server, "rewrite", f"s3://{bucket}/src", "-o", tmp_path / "out", *args, counted=True, check=0)
+    assert kept < server.proxy.down < kept + (256 << 10), (kept, server.proxy.down)
+    cli("rewrite", tmp_path / "src", "-o", tmp_path / "local", *args, check=0)
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "local")
+
+
 def test_missing_keys_buckets_and_packages_are_one_line(server, bucket):
     for url in (f"s3://{bucket}/nothing", "s3://no-such-bucket-streamck/m.safetensors"):
         assert (

@@ -222,13 +222,19 @@ class Reader:
 
 class _Filler:
     """Fills destination views from runs, one ``preadv`` per group of runs that continue
-    one another in one file (a block's consecutive rows), at most IOV_MAX views each."""
+    one another in one file (a block's consecutive rows), at most IOV_MAX views each; a
+    remote file's runs are fetched together at the flush, joined into few requests
+    (streamck.storage.remote.RemoteSource.fill)."""
 
     def __init__(self, reader: Reader):
         self.reader = reader
         self.groups: dict[Path, tuple[int, int, list[memoryview]]] = {}  # path -> (start, end, views)
+        self.remote: dict[UrlPath, list[tuple[int, memoryview]]] = {}
 
     def add(self, run: Run, dest: memoryview) -> None:
+        if isinstance(run.path, UrlPath):
+            self.remote.setdefault(run.path, []).append((run.offset, dest))
+            return
         group = self.groups.get(run.path)
         if group is not None and group[1] == run.offset and len(group[2]) < _IOV_MAX:
             group[2].append(dest)
@@ -242,15 +248,12 @@ class _Filler:
         for path, group in self.groups.items():
             self._read(path, group)
         self.groups.clear()
+        for path, reads in self.remote.items():
+            self.reader.remote(path).fill(reads)
+        self.remote.clear()
 
     def _read(self, path: Path, group: tuple[int, int, list[memoryview]]) -> None:
         start, end, views = group
-        if isinstance(path, UrlPath):  # consecutive views: a short read's block serves the next ones
-            src = self.reader.remote(path)
-            for view in views:
-                src.read_near(view, start)
-                start += len(view)
-            return
         fd = self.reader.fd(path)
         n = os.preadv(fd, views, start)
         if n == end - start:

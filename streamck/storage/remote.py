@@ -23,7 +23,8 @@ from streamck.errors import CheckpointError, StreamckError, UsageError
 CONCURRENCY_ENV = "STREAMCK_REMOTE_CONCURRENCY"
 CONCURRENCY = 4  # ranged requests (or part uploads) in flight per file
 PIECE = 16 << 20  # bytes per ranged GET of a long run
-BLOCK = 4 << 20  # bytes fetched from a short read's offset on, kept for the short reads after it
+BLOCK = 4 << 20  # a read at least this long is split over the requests in flight
+GAP = 64 << 10  # bytes between two short reads fetched (and dropped) rather than paid a request for
 EXTRA = "pip install 'streamck[remote]'"
 
 
@@ -145,12 +146,11 @@ def remote_stamp(url: PurePosixPath) -> tuple[int, int, str]:
 
 class RemoteSource:
     """A remote file read by ranged GETs: a long read in PIECE requests, up to concurrency()
-    in flight and delivered in order; a short one exactly (``readinto``) or from a BLOCK
-    fetched at its offset, which the short reads after it are served from (``read_near``)."""
+    in flight and delivered in order (``pieces``); a short one exactly (``readinto``); many
+    short ones joined into few requests (``fill``)."""
 
     def __init__(self, url: PurePosixPath, fs, size: int):
         self.url, self.fs, self.size = url, fs, size
-        self._block_at, self._block = 0, b""
         self._pool: ThreadPoolExecutor | None = None
         self._ahead = concurrency()
 
@@ -183,38 +183,46 @@ class RemoteSource:
             view[at : at + len(data)] = data
             at += len(data)
 
-    def read_near(self, view: memoryview, offset: int) -> None:
-        """A short read (a small tensor) from the BLOCK kept from the last one, or a new BLOCK
-        fetched from ``offset`` on: the small tensors that follow it in the file come from it too."""
-        n = len(view)
-        if n >= BLOCK:
-            self.readinto(view, offset)
-            return
-        if not (self._block_at <= offset and offset + n <= self._block_at + len(self._block)):
-            self._block_at, self._block = offset, self.get(offset, min(self.size, offset + BLOCK))
-            if n > len(self._block):
-                raise CheckpointError("file ended before its last tensor's bytes (truncated?)", self.url)
-        at = offset - self._block_at
-        view[:] = self._block[at : at + n]
+    def fill(self, reads: list[tuple[int, memoryview]]) -> None:
+        """Fill each view with the bytes at its offset: the reads sorted by offset and joined
+        where they continue one another or lie less than GAP apart (the gap fetched and
+        dropped), into requests of at most PIECE, a few in flight. A window of small tensors
+        written in another order than the file's (renamed ones) costs a few requests, not one
+        per tensor, and no byte it does not need but the small gaps."""
+        ranges: list[tuple[int, int, list[tuple[int, memoryview]]]] = []
+        for offset, view in sorted(reads, key=lambda r: r[0]):
+            if ranges and offset - ranges[-1][1] <= GAP and offset + len(view) - ranges[-1][0] <= PIECE:
+                start, end, members = ranges[-1]
+                ranges[-1] = (start, max(end, offset + len(view)), [*members, (offset, view)])
+            else:
+                ranges.append((offset, offset + len(view), [(offset, view)]))
+        pool = self._executor()
+        for (start, _, members), data in zip(ranges, pool.map(lambda r: self.get(r[0], r[1]), ranges), strict=True):
+            for offset, view in members:
+                view[:] = data[offset - start : offset - start + len(view)]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix="streamck-get")
+        return self._pool
 
     def pieces(self, offset: int, length: int, piece: int = PIECE) -> Iterator[bytes]:
         """The bytes ``[offset, offset + length)`` in order, ``piece`` bytes per request, a few
         requests ahead (memory: concurrency() pieces at most)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix="streamck-get")
+        pool = self._executor()
         starts = iter(range(offset, offset + length, piece))
         end = offset + length
         pending: deque[Future] = deque()
         try:
             for start in starts:
-                pending.append(self._pool.submit(self.get, start, min(start + piece, end)))
+                pending.append(pool.submit(self.get, start, min(start + piece, end)))
                 if len(pending) >= self._ahead:
                     break
             while pending:
                 data = pending.popleft().result()
                 start = next(starts, None)
                 if start is not None:
-                    pending.append(self._pool.submit(self.get, start, min(start + piece, end)))
+                    pending.append(pool.submit(self.get, start, min(start + piece, end)))
                 yield data
         finally:
             for future in pending:
