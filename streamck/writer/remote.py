@@ -72,10 +72,10 @@ def check_remote_target(out: UrlPath, sources: Iterable[Path], is_dir: bool, for
 
 class PipeUpload:
     """A pipe whose bytes become one Upload: ``fd`` is what the writer writes to; a thread
-    sends what arrives. ``close_writer`` then ``join`` raise the uploader's failure, if any."""
+    sends what arrives. ``close`` raises the uploader's failure, if any."""
 
     def __init__(self, upload: Upload):
-        self.upload, self.error = upload, None
+        self.upload, self.error, self.failed = upload, None, False
         read, self.fd = os.pipe()
         try:
             fcntl.fcntl(self.fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
@@ -88,32 +88,39 @@ class PipeUpload:
         try:
             while data := os.read(read, READ):
                 self.upload.write(data)
-            self.upload.finish()
+            if not self.failed:  # the end of the writer's bytes, not a writer that gave up
+                self.upload.finish()
         except BaseException as e:
             self.error = e
         finally:
             os.close(read)  # the writer's next write then fails (EPIPE) instead of blocking
 
-    def close(self) -> None:
-        """Close the writer's end and wait for the uploader; raise its failure."""
+    def close(self, failed: bool = False) -> None:
+        """Close the writer's end and wait for the uploader; raise its failure unless the
+        writer ``failed`` (its own error is the one to tell)."""
+        self.failed = self.failed or failed
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         self._thread.join()
-        if self.error is not None:
+        if self.error is not None and not self.failed:
             raise self.error
 
 
 def _send_shard(writer: ShardWriter, shard: Shard, upload: Upload) -> None:
-    """Stream ``shard`` into ``upload``; the uploader's failure wins over the broken pipe it causes."""
+    """Stream ``shard`` into ``upload``; the uploader's failure wins over the broken pipe it
+    causes, the writer's own (a source that cannot be read) over the uploader's."""
     pipe = PipeUpload(upload)
     try:
         writer.write(shard, pipe.fd)
     except OSError as e:
         if e.errno != errno.EPIPE:
+            pipe.close(failed=True)
             raise OutputError(f"write failed: {e.strerror or e}", upload.url) from None
-    finally:
-        pipe.close()
+    except BaseException:
+        pipe.close(failed=True)
+        raise
+    pipe.close()
     if upload.size != shard.size:
         raise OutputError(f"wrote {upload.size} bytes where the layout has {shard.size}", upload.url)
 
