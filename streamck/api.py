@@ -157,7 +157,9 @@ def rewrite(
     quantize_lm_head: bool = False,
     **read: Any,
 ) -> WriteResult:
-    """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
+    """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``. Either
+    may be a URL (``s3://bucket/key``; safetensors files and folders only, see streamck.storage):
+    read by ranged requests, written as multipart uploads completed only at the end.
 
     ``source`` and ``read`` say what is read, as build_plan takes them (a SourceSpec's fields:
     ``plan`` is a built-in plan name such as ``"eagle4"`` or a TOML plan file whose rules run
