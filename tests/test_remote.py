@@ -148,6 +148,28 @@ def test_a_rewrite_fetches_only_the_bytes_it_writes(tmp_path, server, bucket):
     assert files_of(tmp_path / "out") == files_of(tmp_path / "local")
 
 
+def _peak_rss(server, *args) -> int:
+    """Peak RSS in bytes of ``streamck ARGS`` (a small wrapper's getrusage of its one child)."""
+    wrapper = "import resource, subprocess, sys; assert subprocess.call(sys.argv[1:]) == 0; "
+    wrapper += "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    cmd = [sys.executable, "-c", wrapper, sys.executable, "-m", "streamck", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**server.env(), "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split()[-1]) * 1024
+
+
+def test_memory_stays_a_few_requests_whatever_the_tensor(tmp_path, server, bucket):
+    """One 256 MiB tensor down and up: memory grows by a few requests over what ``ls`` of it
+    takes (the interpreter, s3fs), never by the tensor."""
+    save(tmp_path / "src" / "model.safetensors", {"w": np.ones(64 << 20, np.float32), "b": np.ones(2, np.int8)})
+    server.fs().put(f"{tmp_path / 'src'}/", f"{bucket}/src/", recursive=True)
+    base = _peak_rss(server, "ls", f"s3://{bucket}/src")
+    down = _peak_rss(server, "rewrite", "-q", f"s3://{bucket}/src", "-o", tmp_path / "out")
+    up = _peak_rss(server, "rewrite", "-q", tmp_path / "out", "-o", f"s3://{bucket}/up")
+    assert down - base < 160 << 20 and up - base < 160 << 20, (base >> 20, down >> 20, up >> 20)
+    assert server.fs().cat(f"{bucket}/up/model.safetensors") == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
 def test_missing_keys_buckets_and_packages_are_one_line(server, bucket):
     for url in (f"s3://{bucket}/nothing", "s3://no-such-bucket-streamck/m.safetensors"):
         assert (
