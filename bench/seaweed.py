@@ -163,6 +163,37 @@ class S3Server:
         self.proxy.close()
 
 
+def _loopback(hex_address: str, peer: bool = False) -> bool:
+    """Whether a /proc/net/tcp{,6} address (``0100007F:1F90``) is on 127.0.0.0/8 or ::1; a
+    ``peer`` of all zeros (a listener's) is none, so it passes."""
+    host = hex_address.split(":")[0]
+    if set(host) == {"0"}:
+        return peer
+    if len(host) == 8:  # IPv4, little-endian: 127 is the last byte
+        return host[6:] == "7F"
+    return host == "00000000000000000000000001000000" or (host[:24] == "0000000000000000FFFF0000" and host[-2:] == "7F")
+
+
+def foreign_sockets(pid: int) -> list[str]:
+    """The TCP sockets of process ``pid`` with an end off loopback (a listener on 0.0.0.0, a
+    connection out, such as telemetry's): what must never be."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and not (_loopback(fields[1]) and _loopback(fields[2], peer=True)):
+                found.append(f"{table} {fields[1]} -> {fields[2]}")
+    return found
+
+
 def start(home: Path, timeout: float = 60, ports: dict[str, int] | None = None) -> S3Server:
     """Start ``weed mini`` in ``home`` bound to 127.0.0.1 only, and wait for its S3 endpoint;
     ``ports`` (a stopped server's ``ports``) starts it again where it was."""

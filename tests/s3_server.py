@@ -5,6 +5,6 @@ import sys
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-from seaweed import KEY, SECRET, S3Server, start, weed_binary
+from seaweed import KEY, SECRET, S3Server, foreign_sockets, start, weed_binary
 
-__all__ = ["KEY", "SECRET", "S3Server", "start", "weed_binary"]
+__all__ = ["KEY", "SECRET", "S3Server", "foreign_sockets", "start", "weed_binary"]

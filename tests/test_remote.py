@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,7 +26,10 @@ if s3_server.weed_binary() is None:
 def server(tmp_path_factory):
     srv = s3_server.start(tmp_path_factory.mktemp("s3"))
     yield srv
-    srv.stop()
+    try:  # after every test of the module: the server, the proxy and s3fs here were on loopback only
+        assert s3_server.foreign_sockets(srv.proc.pid) == s3_server.foreign_sockets(os.getpid()) == []
+    finally:
+        srv.stop()
 
 
 @pytest.fixture
