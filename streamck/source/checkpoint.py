@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from operator import itemgetter
 from pathlib import Path
@@ -138,6 +138,27 @@ def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
     return read_header(path)
 
 
+def _shard_headers(
+    shards: list[Path], select: str | None, notices: list[str]
+) -> Iterable[tuple[Path, FileStamp, Header]]:
+    """Each shard with its stamp, taken before its header is read (a change while we read
+    shows too), and its header, in order; a remote checkpoint's a few shards at once (each
+    is two requests' round trips: its length, then its header)."""
+
+    def one(shard: Path) -> tuple[Path, FileStamp, Header]:
+        stamp = FileStamp.of(shard)
+        return shard, stamp, _read_shard(shard, select, notices)
+
+    if not any(isinstance(s, UrlPath) for s in shards):
+        return map(one, shards)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streamck.storage.remote import concurrency
+
+    with ThreadPoolExecutor(concurrency(), thread_name_prefix="streamck-header") as pool:
+        return list(pool.map(one, shards))
+
+
 def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoint:
     """A DCP checkpoint: each tensor's chunks as tiles; with ``key``, the items under it."""
     from streamck.source import dcp, distcp
@@ -180,9 +201,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
     notices: list[str] = list(layout.notes)
-    for shard in layout.shards:
-        files[shard] = FileStamp.of(shard)  # before reading: a change while we read shows too
-        header = _read_shard(shard, select, notices)
+    for shard, files[shard], header in _shard_headers(layout.shards, select, notices):
         for key, value in header.metadata.items():
             metadata.setdefault(key, value)
         names = list(map(_name, header.tensors))
