@@ -181,6 +181,8 @@ def test_missing_keys_buckets_and_packages_are_one_line(server, bucket):
         )
     line = one_line(s3(server, "hash", f"s3://{bucket}/nothing", "-o", f"s3://{bucket}/h.json", check=2))
     assert "the manifest is written to a local file (or stdout) only" in line
+    line = one_line(s3(server, "ls", "nosuchscheme://bucket/model.safetensors", check=2))
+    assert line.endswith("no fsspec filesystem knows the scheme nosuchscheme://")
     line = one_line(s3(server, "ls", "gs://bucket/model.safetensors", check=2))
     assert line.endswith("gs:// needs the gcsfs package: pip install gcsfs")
 
@@ -214,6 +216,13 @@ def test_other_formats_are_not_read_from_urls_yet(tmp_path, server, bucket):
     proc = s3(server, "rewrite", f"s3://{bucket}/dcp", "-o", tmp_path / "o", "--plan", "torchtitan", check=2)
     assert "URLs are read as safetensors only yet" in one_line(proc)
     assert not (tmp_path / "o").exists()
+    ckpt = save(tmp_path / "m.safetensors", {"w": np.ones(3, np.float32)})
+    line = one_line(s3(server, "rewrite", ckpt, "-o", "memory://x/out", check=2))
+    assert (
+        line == "streamck: error: memory://x/out: outputs are written to s3:// URLs only yet (read from any fsspec URL)"
+    )
+    line = one_line(s3(server, "rewrite", ckpt, "-o", f"s3://{bucket}/o", "--verify", check=2))
+    assert line == "streamck: error: --verify re-reads the output from disk: not for URL outputs yet"
 
 
 def digest(path) -> str:
