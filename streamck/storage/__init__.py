@@ -5,8 +5,9 @@ and whole reads at an offset) and ``stamp`` for what a file looks like now; a UR
 (``s3://bucket/key``, any scheme fsspec knows) is a ``UrlPath``, so the rest of streamck
 handles it as it handles a path: its name, parent, and ``root / name`` join. Remote files go
 through fsspec (streamck.storage.remote), imported only when a URL is given; local ones
-through the fds of streamck.storage.local. This package imports nothing of streamck above
-its errors and raw fd helpers.
+through the fds of streamck.storage.local. A remote output is written through
+streamck.storage.upload: multipart uploads that appear only when completed. This package
+imports nothing of streamck above its errors and raw fd helpers.
 """
 
 from __future__ import annotations
