@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -95,6 +96,7 @@ def test_local_to_s3_and_s3_to_s3_are_bit_for_bit(tmp_path, server, bucket, chec
     assert s3(server, "diff", f"s3://{bucket}/up", tmp_path / "local", "--data", check=0).returncode == 0
     hashed = json.loads(s3(server, "hash", "--json", f"s3://{bucket}/up", check=0).stdout)
     assert hashed == json.loads(cli("hash", "--json", tmp_path / "local", check=0).stdout)
+    assert not server.fs().call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # every one completed
 
 
 def test_an_existing_remote_output_is_replaced_only_with_force(tmp_path, server, bucket, checkpoints):
@@ -237,6 +239,29 @@ def _kill_when_flowing(srv, proc, way: str, after: int = 2 << 20, timeout: float
         assert time.monotonic() < deadline, "no transfer started"
         time.sleep(0.02)
     srv.kill()
+
+
+def test_a_stopped_upload_is_aborted(tmp_path, server, bucket):
+    """SIGTERM mid-upload: exit 143, no object under the output's keys, no multipart upload left open."""
+    big = save_sharded(tmp_path / "big", {f"w{i}": np.ones((1024, 1024), np.float32) for i in range(24)}, 2)
+    env = {**server.env(counted=True), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "streamck", "rewrite", "-q", big, "-o", f"s3://{bucket}/up"]
+    server.proxy.rate = 8 << 20
+    try:
+        server.proxy.reset()
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+        deadline = time.monotonic() + 120
+        while server.proxy.up < 20 << 20:  # parts of both shards under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        server.proxy.rate = 0
+    assert proc.returncode == 143 and err.strip() == "streamck: stopped by SIGTERM", err
+    fs = server.fs()
+    assert fs.find(f"{bucket}/up") == []
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
 
 
 @pytest.fixture
