@@ -196,8 +196,12 @@ class RemoteSource:
                 ranges[-1] = (start, max(end, offset + len(view)), [*members, (offset, view)])
             else:
                 ranges.append((offset, offset + len(view), [(offset, view)]))
-        pool = self._executor()
-        for (start, _, members), data in zip(ranges, pool.map(lambda r: self.get(r[0], r[1]), ranges), strict=True):
+        whole = [r for r in ranges if len(r[2]) == 1 and r[1] - r[0] >= BLOCK]  # a long window: split up
+        for start, _, [(_, view)] in whole:
+            self.readinto(view, start)
+        joined = [r for r in ranges if not (len(r[2]) == 1 and r[1] - r[0] >= BLOCK)]
+        fetched = self._executor().map(lambda r: self.get(r[0], r[1]), joined)
+        for (start, _, members), data in zip(joined, fetched, strict=True):
             for offset, view in members:
                 view[:] = data[offset - start : offset - start + len(view)]
 
