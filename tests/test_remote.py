@@ -99,6 +99,20 @@ def test_local_to_s3_and_s3_to_s3_are_bit_for_bit(tmp_path, server, bucket, chec
     assert not server.fs().call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # every one completed
 
 
+def test_the_library_reads_what_it_just_wrote(tmp_path, server, bucket, checkpoints, monkeypatch):
+    """In one process (fsspec keeps listings): a rewrite into the bucket, then ls of it, sees it."""
+    import streamck
+
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    out = f"s3://{bucket}/lib"
+    with pytest.raises(streamck.StreamckError, match="no weights here"):
+        streamck.ls(f"s3://{bucket}")  # fsspec now remembers the bucket's listing, without lib/
+    result = streamck.rewrite(checkpoints["url"] + "/sharded", out, max_shard_size="20KB")
+    assert all(str(f).startswith(f"{out}/") for f in result.files) and len(result.files) > 2
+    assert streamck.ls(out)["tensors"] == streamck.ls(checkpoints["sharded"])["tensors"]
+
+
 def test_an_existing_remote_output_is_replaced_only_with_force(tmp_path, server, bucket, checkpoints):
     sharded = checkpoints["sharded"]
     out = f"s3://{bucket}/out"

@@ -92,6 +92,7 @@ class Upload:
         else:
             parts = [{"PartNumber": i, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts, 1)]
             self._call("complete_multipart_upload", UploadId=self._id, MultipartUpload={"Parts": parts})
+        self.fs.invalidate_cache(self.url.key)  # fsspec's listings here (and above) no longer hold
         self._close()
 
     def abort(self) -> None:
