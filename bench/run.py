@@ -12,6 +12,7 @@
     python bench/run.py moe                  # FSDP2 save of a Qwen3-MoE (fused experts) -> per-expert HF
     python bench/run.py verl --size 1GiB     # verl FSDP actor -> bf16 safetensors vs verl's merger (its venv)
     python bench/run.py count                # DeepSeek-V3's layout, 1.6k to 140k tensors: time per tensor
+    python bench/run.py remote --size 1GiB   # s3 -> local, s3 -> s3 (SeaweedFS on loopback) vs s3fs get + rewrite
 
 Contenders run interleaved (A B C A B C) after a settle pause; the table gives
 medians and ratios against the baseline of the same run, and is written into
@@ -967,6 +968,86 @@ def _quant_runs(a: argparse.Namespace, base: Path, scheme: str, out: Path) -> tu
     return runs, "equal" if same.returncode == 0 and config else "NOT equal"
 
 
+def _remote_runs(contenders: dict, reps: int, settle: float, proxy, cleanup: Callable[[], None]) -> tuple[dict, dict]:
+    """``contenders`` (label -> argv) run ``reps`` times interleaved, ``cleanup`` after each;
+    their runs, and the bytes each moved through the server's proxy (last run: down, up)."""
+    runs = {label: Runs(label) for label in contenders}
+    moved = {}
+    for rep in range(reps):
+        for label, cmd in contenders.items():
+            proxy.reset()
+            wall, rss = run_child(cmd, settle, runs[label].trace)
+            runs[label].walls.append(wall)
+            runs[label].rss.append(rss)
+            moved[label] = (proxy.down, proxy.up)
+            print(f"  rep {rep + 1}/{reps} {label:<40} {wall:7.2f} s {mib(rss):>9}", file=sys.stderr)
+            cleanup()
+    return runs, moved
+
+
+@case
+def case_remote(a: argparse.Namespace, tmp: Path) -> str:
+    """s3 -> local and s3 -> s3 on SeaweedFS (loopback): streamck in one pass vs s3fs get + local rewrite (+ put)."""
+    from seaweed import start
+
+    size = parse_size(a.size)
+    src = make_checkpoint(tmp / "src", size, min(parse_size(a.embed), size // 8))
+    data = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    server = start(tmp / "s3")
+    saved = dict(os.environ)
+    try:
+        bucket, fs = server.bucket(), server.fs()
+        fs.put(f"{src}/", f"{bucket}/src/", recursive=True)
+        os.environ.update(server.env(counted=True))  # every contender through the counting proxy
+        url, out, dl = f"s3://{bucket}/src", tmp / "out", tmp / "dl"
+        get = f"{PY} -c 'import s3fs, sys; s3fs.S3FileSystem().get(sys.argv[1], sys.argv[2], recursive=True)'"
+        put = f"{PY} -c 'import s3fs, sys; s3fs.S3FileSystem().put(sys.argv[1], sys.argv[2], recursive=True)'"
+        rw = f"{PY} -m streamck rewrite -q --strip-prefix model."
+        drop = ["--drop", "*.mlp.*"]
+
+        def cleanup() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(dl, ignore_errors=True)
+            if fs.exists(f"{bucket}/out"):
+                fs.rm(f"{bucket}/out", recursive=True)
+            fs.invalidate_cache()
+
+        ours = ["rewrite", "-q", url, "--strip-prefix", "model.", "-o"]
+        contenders = {
+            "s3fs get + local rewrite": ["sh", "-c", f"{get} {url}/ {dl}/ && {rw} {dl} -o {out}"],
+            "streamck rewrite s3:// -> local": streamck(*ours, str(out)),
+            "s3fs get + rewrite --drop mlp": ["sh", "-c", f"{get} {url}/ {dl}/ && {rw} {dl} -o {out} {' '.join(drop)}"],
+            "streamck s3:// -> local --drop mlp": streamck(*ours, str(out), *drop),
+            "s3fs get + rewrite + s3fs put": [
+                "sh", "-c", f"{get} {url}/ {dl}/ && {rw} {dl} -o {out} && {put} {out}/ s3://{bucket}/out/",
+            ],
+            "streamck rewrite s3:// -> s3://": streamck(*ours, f"s3://{bucket}/out"),
+        }  # fmt: skip
+        runs, moved = _remote_runs(contenders, a.reps, a.settle, server.proxy, cleanup)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        server.stop()
+    rows = ["| contender | fetched | sent |", "|---|---|---|"]
+    rows += [f"| {label} | {mib(down)} | {mib(up)} |" for label, (down, up) in moved.items()]
+    return (
+        f"Checkpoint: {data / 2**30:.2f} GiB in {len(list(src.glob('*.safetensors')))} shards (F32), in a bucket of "
+        f"SeaweedFS {_weed_version()} on 127.0.0.1 through a counting proxy (every contender). Output: "
+        f"`--strip-prefix model.`. {a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "s3fs get + local rewrite", data)
+        + "\n\nBytes through the server's port (the proxy's count, last run):\n\n"
+        + "\n".join(rows)
+    )
+
+
+def _weed_version() -> str:
+    from seaweed import weed_binary
+
+    proc = subprocess.run([weed_binary() or "weed", "version"], capture_output=True, text=True)
+    found = re.search(r"\d+\.\d+", proc.stdout)
+    return found.group(0) if found else "?"
+
+
 def _peft_version() -> str:
     proc = subprocess.run([PY, "-c", "import peft; print(peft.__version__)"], capture_output=True, text=True)
     return proc.stdout.strip() or "?"
@@ -1002,6 +1083,7 @@ DEFAULT_SIZE = {
     "megatron": "156MiB",
     "lora": "1GiB",
     "verl": "1GiB",
+    "remote": "1GiB",
 }
 
 

@@ -22,6 +22,7 @@ from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint
 from streamck.source.checkpoint import resolve_step
 from streamck.spec import SourceSpec
+from streamck.storage import location
 from streamck.writer import WriteResult, write_plan
 from streamck.writer.parts import parse_part
 
@@ -158,7 +159,9 @@ def rewrite(
     quantize_lm_head: bool = False,
     **read: Any,
 ) -> WriteResult:
-    """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``.
+    """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``. Either
+    may be a URL (``s3://bucket/key``; safetensors files and folders only, see streamck.storage):
+    read by ranged requests, written as multipart uploads completed only at the end.
 
     ``source`` and ``read`` say what is read, as build_plan takes them (a SourceSpec's fields:
     ``plan`` is a built-in plan name such as ``"eagle4"`` or a TOML plan file whose rules run
@@ -285,7 +288,7 @@ def load_side(spec: SourceSpec) -> Side:
 
             return Side(str(spec.path.path), checkpoint_manifest(spec.path), spec.path)
         if spec.step is not None:
-            spec = SourceSpec.of(resolve_step(Path(spec.path), spec.step)[0], step=None)
+            spec = SourceSpec.of(resolve_step(location(spec.path), spec.step)[0], step=None)
         return load_checkpoint_side(spec.path, key=spec.key, zero=spec.zero, keep_tied=spec.keep_tied)
     manifest = manifest_of(spec)[0]
     return Side(f"{spec.path} (--plan {os.fspath(spec.plan)})", manifest)

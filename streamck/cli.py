@@ -17,6 +17,7 @@ from streamck.cli_args import build_parser
 from streamck.cli_show import print_checkpoint, print_plan
 from streamck.errors import Info, StreamckError, UsageError
 from streamck.source.producers import plan_hint
+from streamck.storage import is_url
 from streamck.units import human
 
 if TYPE_CHECKING:
@@ -193,6 +194,8 @@ def _side(path: str, args: argparse.Namespace, zero: bool) -> Side:
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
+    if args.output and is_url(args.output):
+        raise UsageError(f"hash -o {args.output}: the manifest is written to a local file (or stdout) only")
     spec = _spec(args)
     if spec.plan is None:
         from streamck.check.digest import hash_manifest

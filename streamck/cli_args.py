@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.commands = sub.choices
 
     ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
-    ls.add_argument("src", help="a .safetensors file or a checkpoint directory")
+    ls.add_argument("src", help="a .safetensors file or a checkpoint directory (or an s3:// URL of one)")
     ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _quiet(ls)
     _source_options(ls)
@@ -158,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"{REWRITE_EXAMPLES}\n\n{EXIT_STATUS}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    rw.add_argument("src", help="a .safetensors file or a checkpoint directory")
-    rw.add_argument("-o", "--output", help="OUT.safetensors (one file), a directory, or - for stdout")
+    rw.add_argument("src", help="a .safetensors file or a checkpoint directory (or an s3:// URL of one)")
+    rw.add_argument(
+        "-o", "--output", help="OUT.safetensors (one file), a directory, an s3:// URL of either, or - for stdout"
+    )
     _source_options(rw)
     rules = rw.add_argument_group("rules, applied in the order given")
     rules.add_argument("--strip-prefix", dest="strip_prefix", metavar="P", action=_AddRule)
@@ -273,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    df.add_argument("a", help="checkpoint (any layout) or manifest JSON")
-    df.add_argument("b", help="checkpoint (any layout) or manifest JSON")
+    df.add_argument("a", help="checkpoint (any layout; safetensors at an s3:// URL) or manifest JSON")
+    df.add_argument("b", help="checkpoint (any layout; safetensors at an s3:// URL) or manifest JSON")
     df.add_argument("--ignore", action="append", metavar="GLOB", help="leave matching names out")
     df.add_argument("--data", action="store_true", help="also compare tensor bytes (checkpoints only)")
     df.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -282,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     _source_options(df, diff=True)
 
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")
-    hs.add_argument("src", help="a .safetensors file or a checkpoint directory")
+    hs.add_argument("src", help="a .safetensors file or a checkpoint directory (or an s3:// URL of one)")
     hs.add_argument("--json", action="store_true", help="print a hash manifest (diff accepts it)")
     hs.add_argument("-o", "--output", help="write to this file instead of stdout")
     _quiet(hs)

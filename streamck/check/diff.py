@@ -11,13 +11,13 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from streamck.errors import PlanError, StreamckError, UsageError
 from streamck.globs import check_glob
 from streamck.manifest import checkpoint_manifest, load_manifest
 from streamck.source import Checkpoint, open_checkpoint
+from streamck.storage import location
 
 
 @dataclass
@@ -35,8 +35,8 @@ class Side:
 
 def load_side(path: str | os.PathLike, *, key: str | None = None, zero: bool = False, keep_tied: bool = False) -> Side:
     """A checkpoint in any layout ``ls`` accepts (opened with ``key``, ``zero`` and
-    ``keep_tied``, see open_checkpoint), or a manifest JSON file."""
-    path = Path(path)
+    ``keep_tied``, see open_checkpoint), or a manifest JSON file; either may be a URL."""
+    path = location(path)
     if path.is_file() and path.suffix == ".json":
         try:
             manifest = load_manifest(path.read_bytes())

@@ -11,6 +11,7 @@ from streamck.manifest import build_manifest
 from streamck.source import Checkpoint
 from streamck.source.header import TensorRef
 from streamck.source.reader import Reader
+from streamck.storage import UrlPath, open_source
 
 ALGORITHM = "sha256"
 
@@ -80,12 +81,30 @@ def file_digests(checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
     """The ``sha256`` and ``size`` of each file the checkpoint's tensors are read from, by its
     path relative to the checkpoint's root: what ``sha256sum`` prints, the Hub's LFS oid."""
     found = {}
-    for path in sorted(checkpoint.files):
+    for path in sorted(checkpoint.files, key=str):
+        if isinstance(path, UrlPath):
+            digest, size = _remote_digest(path)
+            found[str(path.relative_to(checkpoint.root))] = {ALGORITHM: digest, "size": size}
+            continue
         with open(path, "rb") as f:
             digest = hashlib.file_digest(f, ALGORITHM).hexdigest()
             size = os.fstat(f.fileno()).st_size
         found[os.path.relpath(path, checkpoint.root)] = {ALGORITHM: digest, "size": size}
     return found
+
+
+def _remote_digest(path: UrlPath, piece: int = 16 << 20) -> tuple[str, int]:
+    """A remote file's digest and size, read in ranged pieces (streamck.storage)."""
+    src = open_source(path)
+    try:
+        h, buf = hashlib.new(ALGORITHM), bytearray(piece)
+        for at in range(0, src.size, piece):
+            view = memoryview(buf)[: min(piece, src.size - at)]
+            src.readinto(view, at)
+            h.update(view)
+        return h.hexdigest(), src.size
+    finally:
+        src.close()
 
 
 def hash_manifest(checkpoint: Checkpoint) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from operator import itemgetter
 from pathlib import Path
 
@@ -13,9 +14,11 @@ from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
 from streamck.source.layout import Layout, bare_run_root, find_layout
+from streamck.source.remote_layout import remote_layout
 from streamck.source.steps import pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
+from streamck.storage import UrlPath, location
 
 
 def _also_in(name: str, tensors: dict[str, TensorRef], shard: Path) -> CheckpointError:
@@ -75,7 +78,7 @@ def open_checkpoint(
     unless ``keep_tied``.
     Raises CheckpointError for anything malformed.
     """
-    path, picked = resolve_step(Path(path), step)
+    path, picked = resolve_step(location(path), step)
     with paused():
         try:
             ckpt = _index(path, key, zero, keep_tied)
@@ -88,7 +91,11 @@ def open_checkpoint(
 def resolve_step(path: Path, step: str | int | None) -> tuple[Path, list[Info]]:
     """The folder to read for ``path`` and ``step``: a run root's step (``latest`` too, and
     implied where the run marks it and no ``--step`` is given), else ``path``; with a note
-    saying which step was picked, for the user to see."""
+    saying which step was picked, for the user to see. A URL is read as it is."""
+    if isinstance(path, UrlPath):
+        if step is not None:
+            raise CheckpointError("--step: run roots of steps are not read from URLs yet; give the step's URL", path)
+        return path, []
     if step is None and bare_run_root(path):
         step = "latest"
     if step is None:
@@ -109,6 +116,27 @@ def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
     if select is not None and ignored not in notices:
         notices.append(ignored)
     return read_header(path)
+
+
+def _shard_headers(
+    shards: list[Path], select: str | None, notices: list[str]
+) -> Iterable[tuple[Path, FileStamp, Header]]:
+    """Each shard with its stamp, taken before its header is read (a change while we read
+    shows too), and its header, in order; a remote checkpoint's a few shards at once (each
+    is two requests' round trips: its length, then its header)."""
+
+    def one(shard: Path) -> tuple[Path, FileStamp, Header]:
+        stamp = FileStamp.of(shard)
+        return shard, stamp, _read_shard(shard, select, notices)
+
+    if not any(isinstance(s, UrlPath) for s in shards):
+        return map(one, shards)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streamck.storage.remote import concurrency
+
+    with ThreadPoolExecutor(concurrency(), thread_name_prefix="streamck-header") as pool:
+        return list(pool.map(one, shards))
 
 
 def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoint:
@@ -133,7 +161,7 @@ _name = itemgetter(0)  # TensorRef.name, at C speed
 
 
 def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied: bool = False) -> Checkpoint:
-    layout = find_layout(path)
+    layout = remote_layout(path) if isinstance(path, UrlPath) else find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
         found = untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
         return not_empty(found, "DeepSpeed ZeRO")
@@ -153,9 +181,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
     metadata: dict[str, str] = {}
     files: dict[Path, FileStamp] = {}
     notices: list[str] = list(layout.notes)
-    for shard in layout.shards:
-        files[shard] = FileStamp.of(shard)  # before reading: a change while we read shows too
-        header = _read_shard(shard, select, notices)
+    for shard, files[shard], header in _shard_headers(layout.shards, select, notices):
         for key, value in header.metadata.items():
             metadata.setdefault(key, value)
         names = list(map(_name, header.tensors))

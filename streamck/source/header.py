@@ -36,6 +36,7 @@ from streamck.source.runs import Run, Tile, tile_runs
 from streamck.source.serde import MAX_NESTING, decode_json, serde_overflows
 from streamck.source.serde import Invalid as _Invalid
 from streamck.source.sniff import SAMPLE, looks_like
+from streamck.storage import ByteSource, UrlPath, location, open_source
 
 MAX_HEADER = 100_000_000  # the reference reader's cap on the JSON header, in bytes
 METADATA_KEY = "__metadata__"
@@ -249,31 +250,36 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> Header:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """Read and validate the header of the safetensors file at ``path``; never reads tensor data."""
-    path = path if isinstance(path, Path) else Path(path)  # keep the caller's object: refs share it
+    """Read and validate the header of the safetensors file at ``path`` (a local path or a
+    UrlPath, streamck.storage); never reads tensor data: 8 bytes, then the header's."""
+    path = path if isinstance(path, Path | UrlPath) else location(path)  # keep the caller's object: refs share it
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                if looks_like(prefix) is not None:
-                    raise CheckpointError(f"is not a safetensors file: it looks like {looks_like(prefix)}", path)
-                raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", path)
-            (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER or (8 + n > size and f.read(1) != b"{"):  # no header: some other file
-                f.seek(0)
-                what = looks_like(f.read(SAMPLE))
-                if what is not None:
-                    raise CheckpointError(f"is not a safetensors file: it looks like {what}", path)
-            if n > MAX_HEADER:
-                raise CheckpointError(f"header length {n} is above the {MAX_HEADER}-byte cap", path)
-            if 8 + n > size:
-                raise CheckpointError(f"header length {n} runs past the end of the {size}-byte file", path)
-            raw = f.read(n)
+        src = open_source(path)
     except IsADirectoryError:
         raise CheckpointError("is a directory, expected a .safetensors file", path) from None
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None
+    try:
+        size = src.size
+        prefix = _read(src, 0, 8)
+        if len(prefix) < 8:
+            if looks_like(prefix) is not None:
+                raise CheckpointError(f"is not a safetensors file: it looks like {looks_like(prefix)}", path)
+            raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", path)
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER or (8 + n > size and _read(src, 8, 1) != b"{"):  # no header: some other file
+            what = looks_like(_read(src, 0, SAMPLE))
+            if what is not None:
+                raise CheckpointError(f"is not a safetensors file: it looks like {what}", path)
+        if n > MAX_HEADER:
+            raise CheckpointError(f"header length {n} is above the {MAX_HEADER}-byte cap", path)
+        if 8 + n > size:
+            raise CheckpointError(f"header length {n} runs past the end of the {size}-byte file", path)
+        raw = _read(src, 8, n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read: {e.strerror}", path) from None
+    finally:
+        src.close()
     return parse_header(raw, size - 8 - n, path)
 
 
@@ -285,6 +291,13 @@ def _json(value: object) -> bytes:
         return orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _read(src: ByteSource, offset: int, n: int) -> bytes:
+    """Up to ``n`` bytes of ``src`` at ``offset``: fewer only where the file ends."""
+    buf = bytearray(max(0, min(n, src.size - offset)))
+    src.readinto(memoryview(buf), offset)
+    return bytes(buf)
 
 
 def encode_header(

@@ -10,6 +10,7 @@ from pathlib import Path
 from streamck.dtypes import nbytes
 from streamck.errors import CheckpointError
 from streamck.source.header import TensorRef
+from streamck.storage import UrlPath, stamp
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,10 +19,12 @@ class FileStamp:
 
     size: int
     mtime_ns: int
-    inode: int
+    inode: int | str  # a remote object's ETag
 
     @classmethod
     def of(cls, path: Path) -> FileStamp:
+        if isinstance(path, UrlPath):
+            return cls(*stamp(path))
         st = os.stat(path)
         return cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
@@ -59,12 +62,12 @@ class Checkpoint:
 
     def check_unchanged(self) -> None:
         """Raise CheckpointError if any shard changed size, mtime or inode since indexing."""
-        for path, stamp in self.files.items():
+        for path, was in self.files.items():
             try:
                 now = FileStamp.of(path)
             except OSError as e:
                 raise CheckpointError(f"source vanished during the run: {e.strerror}", path) from None
-            if now != stamp:
+            if now != was:
                 raise CheckpointError("source file changed during the run", path)
 
 

@@ -111,7 +111,7 @@ def _shard_path(root: Path, name: str, index_path: Path) -> Path:
     return root / rel
 
 
-def _from_index(root: Path, index_path: Path) -> Layout:
+def from_index(root: Path, index_path: Path) -> Layout:
     weight_map = _load_index(index_path)
     spellings: dict[Path, set[str]] = {}
     for shard in set(weight_map.values()):
@@ -125,7 +125,7 @@ def _from_index(root: Path, index_path: Path) -> Layout:
 _NUMBERED = re.compile(r"(.+)-(\d{5})-of-(\d{5})(\.safetensors|\.bin)")
 
 
-def _incomplete(path: Path, shards: list[Path]) -> CheckpointError | None:
+def incomplete(path: Path, shards: list[Path]) -> CheckpointError | None:
     """The error for numbered shards without an index that are not all there
     (``model-00002-of-00004.safetensors`` but no ``-00001-``): an output whose ``--part`` runs
     have not all finished, or a copy cut short, which would read as a smaller model."""
@@ -299,7 +299,7 @@ def find_layout(path: Path) -> Layout:
         zero, unclear = None, e
     for name in INDEX_NAMES:
         if (path / name).is_file():
-            return replace(_from_index(path, path / name), zero=zero, zero_unclear=unclear)
+            return replace(from_index(path, path / name), zero=zero, zero_unclear=unclear)
     found = _fsdp(path)
     if found is not None:
         return found
@@ -316,7 +316,7 @@ def find_layout(path: Path) -> Layout:
     for pattern in SHARD_GLOBS:
         shards = sorted(p for p in path.glob(pattern) if p.is_file())
         if shards:
-            refused = fsdp.rank_files_error(path) or _incomplete(path, shards)
+            refused = fsdp.rank_files_error(path) or incomplete(path, shards)
             if refused:
                 raise refused
             return Layout(path, shards, zero=zero, zero_unclear=unclear)

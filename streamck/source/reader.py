@@ -18,12 +18,17 @@ import mmap
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
 from streamck.fileio import read_into, write_all
 from streamck.source.header import TensorRef
 from streamck.source.runs import RowBlocks, Run
+from streamck.storage import UrlPath
+
+if TYPE_CHECKING:
+    from streamck.storage.remote import RemoteSource
 
 # Bytes per buffer fill: a cast step, a comparison window, a digest update.
 CHUNK = 16 << 20
@@ -70,6 +75,7 @@ class Reader:
     def __init__(self, chunk: int = CHUNK, copy_mode: str | None = None, copy_chunk: int = COPY_CHUNK):
         self.chunk, self.copy_chunk = chunk, copy_chunk
         self._fds: dict[Path, int] = {}
+        self._remote: dict[UrlPath, RemoteSource] = {}  # remote files' sources (streamck.storage)
         self._max_fds = pool_size()
         self._buffer: mmap.mmap | None = None
         self._spare = bytearray()
@@ -78,6 +84,8 @@ class Reader:
     def fd(self, path: Path) -> int:
         """A read-only fd on ``path``, from the pool: at most pool_size() stay open, the least
         recently used closed first (a ZeRO or DCP checkpoint may have thousands of files)."""
+        if isinstance(path, UrlPath):
+            raise CheckpointError("only safetensors files are read from URLs yet", path)
         fd = self._fds.pop(path, None)
         if fd is None:
             if len(self._fds) >= self._max_fds:
@@ -89,10 +97,22 @@ class Reader:
         self._fds[path] = fd  # re-inserted: dicts keep insertion order, the oldest comes first
         return fd
 
+    def remote(self, path: UrlPath) -> RemoteSource:
+        """The source of the remote file ``path``, opened on first use and kept until ``close``."""
+        src = self._remote.get(path)
+        if src is None:
+            from streamck.storage.remote import RemoteSource
+
+            src = self._remote[path] = RemoteSource.open(path)
+        return src
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for src in self._remote.values():
+            src.close()
+        self._remote.clear()
 
     def __enter__(self) -> Reader:
         return self
@@ -173,6 +193,11 @@ class Reader:
         return memoryview(self._spare)[:n]
 
     def _copy_run(self, run: Run, out: int, progress: Callable[[int], None]) -> None:
+        if isinstance(run.path, UrlPath):  # ranged requests, a few ahead, each piece written as it comes
+            for data in self.remote(run.path).pieces(run.offset, run.length, self.chunk):
+                write_all(out, data)
+                progress(len(data))
+            return
         src, offset, end = self.fd(run.path), run.offset, run.offset + run.length
         while offset < end:
             count = min(self.copy_chunk, end - offset)
@@ -197,13 +222,19 @@ class Reader:
 
 class _Filler:
     """Fills destination views from runs, one ``preadv`` per group of runs that continue
-    one another in one file (a block's consecutive rows), at most IOV_MAX views each."""
+    one another in one file (a block's consecutive rows), at most IOV_MAX views each; a
+    remote file's runs are fetched together at the flush, joined into few requests
+    (streamck.storage.remote.RemoteSource.fill)."""
 
     def __init__(self, reader: Reader):
         self.reader = reader
         self.groups: dict[Path, tuple[int, int, list[memoryview]]] = {}  # path -> (start, end, views)
+        self.remote: dict[UrlPath, list[tuple[int, memoryview]]] = {}
 
     def add(self, run: Run, dest: memoryview) -> None:
+        if isinstance(run.path, UrlPath):
+            self.remote.setdefault(run.path, []).append((run.offset, dest))
+            return
         group = self.groups.get(run.path)
         if group is not None and group[1] == run.offset and len(group[2]) < _IOV_MAX:
             group[2].append(dest)
@@ -217,6 +248,9 @@ class _Filler:
         for path, group in self.groups.items():
             self._read(path, group)
         self.groups.clear()
+        for path, reads in self.remote.items():
+            self.reader.remote(path).fill(reads)
+        self.remote.clear()
 
     def _read(self, path: Path, group: tuple[int, int, list[memoryview]]) -> None:
         start, end, views = group

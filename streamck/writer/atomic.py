@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from streamck.errors import OutputError, listing
+from streamck.storage import UrlPath
 
 TMP_TAG = ".streamck-tmp-"
 LOCK_NAME = ".streamck-lock"  # inside a temporary directory
@@ -163,10 +164,13 @@ def _refuse_foreign(final: Path, writes: Iterable[str]) -> None:
 
 
 def refuse_source(final: Path, sources: Iterable[Path]) -> None:
-    """Refuse a target that is, links to, or would contain a source file."""
+    """Refuse a target that is, links to, or would contain a source file (a remote source
+    file never is: it lies in no local folder)."""
     resolved = final.resolve()
     target = os.stat(final) if final.exists() else None
     for src in sources:
+        if isinstance(src, UrlPath):
+            continue
         src_resolved = src.resolve()
         if src_resolved == resolved or resolved in src_resolved.parents:
             raise OutputError("refusing to write over the source checkpoint", final)

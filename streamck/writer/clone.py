@@ -25,6 +25,7 @@ from streamck.fileio import NO_CLONE, can_clone, clone_range
 from streamck.plan import OutputTensor
 from streamck.source.header import TensorRef
 from streamck.source.reader import Reader
+from streamck.storage import UrlPath
 from streamck.writer.layout import Shard, pad_header
 
 BLOCK = 4096  # the filesystems' block: offsets in step modulo this can share blocks
@@ -60,6 +61,8 @@ class Sharing:
     def shares(self, path: Path) -> bool:
         """Whether ``path`` lies on the output's filesystem (and has not refused a clone)."""
         ok = self._paths.get(path)
+        if ok is None and isinstance(path, UrlPath):  # a remote file shares nothing
+            ok = self._paths[path] = False
         if ok is None:
             try:
                 ok = os.stat(path).st_dev == self.device

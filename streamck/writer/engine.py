@@ -16,6 +16,7 @@ from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
 from streamck.source.torchzip import TORCH_SUFFIXES
+from streamck.storage import UrlPath, is_url, location
 from streamck.writer.atomic import atomic_output, check_target, refuse_source
 from streamck.writer.clone import Sharing, line_up
 from streamck.writer.layout import (
@@ -31,6 +32,7 @@ from streamck.writer.layout import (
 )
 from streamck.writer.parts import assign, check_directory
 from streamck.writer.progress import Silent, reporter
+from streamck.writer.remote import check_remote_target, write_remote
 from streamck.writer.shardwriter import ShardWriter, Syncer, Workers
 from streamck.writer.torchsave import refuse_unsaveable
 from streamck.writer.verify import verify_shard
@@ -140,7 +142,7 @@ def write_plan(
         result = _to_stdout(plan, header_align, device, verify, chunk, max_shard_size, progress)
         _refuse_overflow(result.overflow, strict)
         return result
-    out = _target(out)
+    out = location(out) if is_url(out) else _target(out)
     named = file_format(out)
     single = named is not None
     if format is not None and format not in FORMATS:
@@ -163,11 +165,15 @@ def write_plan(
     if keep_shards:
         _check_keep_shards(plan, out, single, format, max_shard_size)
     sources = list(plan.source.files) if plan.source else []
-    if single and plan.source is not None:
+    if single and plan.source is not None and not isinstance(out, UrlPath):
         _refuse_joining(out, plan)
     default = TORCH_SINGLE_NAME if format == "torch" else SINGLE_NAME
     with paused():  # headers and layouts: a few objects per tensor (see streamck.gcpause)
         shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format, keep_shards)
+    if isinstance(out, UrlPath):
+        _refuse_for_urls(out, format, verify, part)
+        check_remote_target(out, sources, not single, force, [*plan.files, *plan.side_files])
+        return _write_url(plan, out, shards, single, force, strict, progress, jobs, chunk, device)
     if part is None:
         check_target(out, sources, is_dir=not single, force=force, writes=[*plan.files, *plan.side_files])
     else:
@@ -258,6 +264,39 @@ def _write_part(
     return written, sum(t.nbytes for s in mine for t in s.tensors), sum(len(s.tensors) for s in mine)
 
 
+def _refuse_for_urls(out: UrlPath, format: str, verify: bool, part: tuple[int, int] | None) -> None:
+    """What a URL output does not do yet, refused before anything is sent."""
+    if format != "safetensors":
+        raise UsageError(f"torch archives are written to local paths only yet, not {out}")
+    if verify:
+        raise UsageError("--verify re-reads the output from disk: not for URL outputs yet")
+    if part is not None:
+        raise UsageError("--part writes into a folder shared by its runs: not to URLs yet")
+
+
+def _write_url(
+    plan: Plan, out: UrlPath, shards: list[Shard], single: bool, force: bool, strict: bool,
+    progress: bool | str | Silent, jobs: int, chunk: int, device: str | None,
+) -> WriteResult:  # fmt: skip
+    """``plan`` into the bucket at ``out`` (streamck.writer.remote): nothing there until all is."""
+    bar = reporter(plan.total_size, progress, kinds=work_kinds(plan))
+    workers = Workers(jobs, chunk, device, False, bar)
+    if _casts(plan, device):
+        _caster(workers.first)
+
+    def before_commit() -> None:
+        _refuse_overflow(workers.overflow, strict)
+        if plan.source is not None:
+            plan.source.check_unchanged()
+
+    try:
+        files = write_remote(out, shards, _extras(plan, shards), workers, single, force, before_commit)
+    finally:
+        workers.close()
+        bar.close()
+    return WriteResult(files, plan.total_size, workers.overflow, 0, len(plan.tensors))
+
+
 def work_kinds(plan: Plan) -> dict[str, tuple[str, int]]:
     """Each output tensor's kind of work (``copy``, ``cast``, or its transform's class) and
     bytes, for the progress log's time left: the kinds go at very different rates."""
@@ -300,8 +339,8 @@ def _refuse_joining(out: Path, plan: Plan) -> None:
     """A file output written into the source's own directory, where it would be read as one
     of its shards from then on, is refused: the source would no longer open as it did."""
     src = plan.source
-    if src.path.is_file():
-        return  # one file was asked for: what lies beside it is no part of it
+    if isinstance(src.path, UrlPath) or src.path.is_file():
+        return  # a remote source, or one file asked for: what lies beside it is no part of it
     if out.parent.resolve() in (src.root.resolve(), src.path.resolve()) and joins_shards(out.parent, out.name):
         raise OutputError(
             "is inside the source checkpoint's directory and would be read as one of its shards from then on; "
@@ -341,6 +380,13 @@ def _put(data: Path | bytes, dest: Path, replace: bool = False) -> None:
     to ``dest``, then fsync what was written."""
     if isinstance(data, bytes):
         dest.write_bytes(data)
+    elif isinstance(data, UrlPath):  # a remote side file (small: a config, a tokenizer), or a folder of them
+        if data.is_dir():
+            dest.mkdir(exist_ok=replace)
+            for entry in data.iterdir():
+                _put(entry, dest / entry.name, replace)
+        else:
+            dest.write_bytes(data.read_bytes())
     elif data.is_dir():
         shutil.copytree(data, dest, dirs_exist_ok=replace)
     else:

@@ -13,6 +13,7 @@ from streamck.errors import OutputError
 from streamck.fileio import start_writeback, write_all
 from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
+from streamck.storage import UrlPath
 from streamck.transforms.base import DEVICE
 from streamck.writer.clone import Sharing, copy_shared, spans
 from streamck.writer.layout import Shard
@@ -140,7 +141,7 @@ class ShardWriter:
                     self.reader.copy(t.source, out, progress)
                 if self.drop_cache:
                     for t in group:
-                        for path in t.source.paths:
+                        for path in (p for p in t.source.paths if not isinstance(p, UrlPath)):
                             os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
                         since_drop += t.nbytes
                     if since_drop >= _DROP_EVERY:

@@ -1,0 +1,238 @@
+"""Remote files through fsspec: ranged reads, a few in flight, never a whole file in memory.
+
+fsspec and the filesystem package for a URL's scheme (s3fs for ``s3://``) are imported on
+the first URL, so that local runs never pay for them; a missing one is a UsageError naming
+the package to install. Credentials and the endpoint are the filesystem's own business: s3fs
+reads what the AWS CLI reads (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``~/.aws/config``,
+``AWS_ACCESS_KEY_ID`` …). Any failure of a request is one line naming the URL.
+URLs come as streamck.storage.UrlPath (``.scheme``, ``.key``), typed here as the
+PurePosixPath it is: streamck.storage.url imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import PurePosixPath
+
+from streamck.errors import CheckpointError, StreamckError, UsageError
+
+CONCURRENCY_ENV = "STREAMCK_REMOTE_CONCURRENCY"
+CONCURRENCY = 4  # ranged requests (or part uploads) in flight per file
+PIECE = 16 << 20  # bytes per ranged GET of a long run
+BLOCK = 4 << 20  # a read at least this long is split over the requests in flight
+GAP = 64 << 10  # bytes between two short reads fetched (and dropped) rather than paid a request for
+EXTRA = "pip install 'streamck[remote]'"
+
+
+def concurrency() -> int:
+    """Requests in flight per file: ``STREAMCK_REMOTE_CONCURRENCY``, else CONCURRENCY."""
+    raw = os.environ.get(CONCURRENCY_ENV, "")
+    try:
+        value = int(raw) if raw else CONCURRENCY
+    except ValueError:
+        raise UsageError(f"{CONCURRENCY_ENV}={raw!r}: give a number of requests, such as 4") from None
+    if value < 1:
+        raise UsageError(f"{CONCURRENCY_ENV}={raw!r}: must be at least 1")
+    return value
+
+
+def filesystem(url: PurePosixPath):
+    """The fsspec filesystem for ``url``'s scheme (fsspec keeps one instance per set of options)."""
+    try:
+        import fsspec
+        from fsspec.registry import known_implementations
+    except ModuleNotFoundError:
+        raise UsageError(f"{url}: reading and writing URLs needs fsspec: {EXTRA}") from None
+    try:
+        cls = fsspec.get_filesystem_class(url.scheme)
+    except ValueError:
+        raise UsageError(f"{url}: no fsspec filesystem knows the scheme {url.scheme}://") from None
+    except ImportError:
+        package = known_implementations.get(url.scheme, {}).get("class", url.scheme).split(".")[0]
+        what = f"{EXTRA}" if package == "s3fs" else f"pip install {package}"
+        raise UsageError(f"{url}: {url.scheme}:// needs the {package} package: {what}") from None
+    if getattr(cls, "async_impl", False):
+        _quiet_loop()
+    return cls()
+
+
+def _quiet_loop() -> None:
+    """Keep fsspec's event loop from logging the connection errors of requests cut short (a
+    server that died mid-transfer): the failed call raises them already, as one line."""
+    from fsspec.asyn import get_loop
+
+    loop = get_loop()
+
+    def handler(loop, context: dict) -> None:
+        if not isinstance(context.get("exception"), OSError | ConnectionError):
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as the first line of what it says, with its type when it says nothing."""
+    text = str(e).strip().splitlines()
+    return text[0] if text and text[0] else type(e).__name__
+
+
+@contextmanager
+def remote_errors(url: PurePosixPath, error: type[StreamckError] = CheckpointError, doing: str = "cannot read"):
+    """Any failure of a request inside as one ``error`` line naming ``url``."""
+    try:
+        yield
+    except StreamckError:
+        raise
+    except FileNotFoundError:
+        raise error("no such file or directory (or bucket)", url) from None
+    except PermissionError as e:
+        raise error(f"{doing}: access denied ({one_line(e)}); check the credentials", url) from None
+    except Exception as e:
+        raise error(f"{doing}: {one_line(e)}", url) from None
+
+
+def info(url: PurePosixPath, fresh: bool = False) -> dict | None:
+    """What the filesystem says of ``url`` (``type``, ``size`` …); None when nothing is there.
+    ``fresh`` drops what fsspec remembers of its folder first (an output being checked)."""
+    fs = filesystem(url)
+    if fresh:
+        fs.invalidate_cache(url.key)
+    with remote_errors(url):
+        try:
+            return fs.info(url.key)
+        except FileNotFoundError:
+            return None
+
+
+def listdir(url: PurePosixPath, fresh: bool = False) -> dict[str, dict]:
+    """The entries of the folder ``url`` by name (each its info); empty when there is none."""
+    fs = filesystem(url)
+    if fresh:
+        fs.invalidate_cache(url.key)
+    with remote_errors(url):
+        try:
+            entries = fs.ls(url.key, detail=True)
+        except FileNotFoundError:
+            return {}
+    return {e["name"].rstrip("/").rpartition("/")[2]: e for e in entries if e["name"].rstrip("/") != url.key}
+
+
+def read_bytes(url: PurePosixPath) -> bytes:
+    """A small file's bytes (an index, a config): side files only, never a weights file.
+    FileNotFoundError when there is none, as a local path's read_bytes raises."""
+    fs = filesystem(url)
+    with remote_errors(url):
+        try:
+            return fs.cat_file(url.key)
+        except FileNotFoundError:
+            pass
+    raise FileNotFoundError(2, "No such file or directory", str(url))
+
+
+def remote_stamp(url: PurePosixPath) -> tuple[int, int, str]:
+    """``url``'s size, modification time (ns) and ETag as the server says them now."""
+    found = info(url, fresh=True)
+    if found is None:
+        raise FileNotFoundError(2, "No such file or directory", str(url))
+    modified = found.get("LastModified") or found.get("mtime") or found.get("updated")
+    ns = int(modified.timestamp() * 1e9) if hasattr(modified, "timestamp") else 0
+    tag = found.get("ETag") or found.get("etag") or found.get("md5Hash") or ""
+    return int(found["size"]), ns, str(tag)
+
+
+class RemoteSource:
+    """A remote file read by ranged GETs: a long read in PIECE requests, up to concurrency()
+    in flight and delivered in order (``pieces``); a short one exactly (``readinto``); many
+    short ones joined into few requests (``fill``)."""
+
+    def __init__(self, url: PurePosixPath, fs, size: int):
+        self.url, self.fs, self.size = url, fs, size
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead = concurrency()
+
+    @classmethod
+    def open(cls, url: PurePosixPath) -> RemoteSource:
+        found = info(url)
+        if found is None:
+            raise CheckpointError("no such file or directory (or bucket)", url)
+        if found.get("type") != "file":
+            raise CheckpointError("is a directory, expected a .safetensors file", url)
+        return cls(url, filesystem(url), int(found["size"]))
+
+    def get(self, start: int, end: int) -> bytes:
+        """The bytes ``[start, end)``, all of them, in one request."""
+        with remote_errors(self.url):
+            data = self.fs.cat_file(self.url.key, start=start, end=end)
+        if len(data) != end - start:
+            raise CheckpointError("file ended before its last tensor's bytes (truncated?)", self.url)
+        return data
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Exactly the bytes asked for (a header reads 8 bytes, then its length): one request,
+        or for a long read PIECE-sized ones a few at a time."""
+        n = len(view)
+        if n < BLOCK:
+            view[:] = self.get(offset, offset + n)
+            return
+        at = 0
+        for data in self.pieces(offset, n, max(BLOCK // 4, -(-n // self._ahead))):  # split over those in flight
+            view[at : at + len(data)] = data
+            at += len(data)
+
+    def fill(self, reads: list[tuple[int, memoryview]]) -> None:
+        """Fill each view with the bytes at its offset: the reads sorted by offset and joined
+        where they continue one another or lie less than GAP apart (the gap fetched and
+        dropped), into requests of at most PIECE, a few in flight. A window of small tensors
+        written in another order than the file's (renamed ones) costs a few requests, not one
+        per tensor, and no byte it does not need but the small gaps."""
+        ranges: list[tuple[int, int, list[tuple[int, memoryview]]]] = []
+        for offset, view in sorted(reads, key=lambda r: r[0]):
+            if ranges and offset - ranges[-1][1] <= GAP and offset + len(view) - ranges[-1][0] <= PIECE:
+                start, end, members = ranges[-1]
+                ranges[-1] = (start, max(end, offset + len(view)), [*members, (offset, view)])
+            else:
+                ranges.append((offset, offset + len(view), [(offset, view)]))
+        whole = [r for r in ranges if len(r[2]) == 1 and r[1] - r[0] >= BLOCK]  # a long window: split up
+        for start, _, [(_, view)] in whole:
+            self.readinto(view, start)
+        joined = [r for r in ranges if not (len(r[2]) == 1 and r[1] - r[0] >= BLOCK)]
+        fetched = self._executor().map(lambda r: self.get(r[0], r[1]), joined)
+        for (start, _, members), data in zip(joined, fetched, strict=True):
+            for offset, view in members:
+                view[:] = data[offset - start : offset - start + len(view)]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix="streamck-get")
+        return self._pool
+
+    def pieces(self, offset: int, length: int, piece: int = PIECE) -> Iterator[bytes]:
+        """The bytes ``[offset, offset + length)`` in order, ``piece`` bytes per request, a few
+        requests ahead (memory: concurrency() pieces at most)."""
+        pool = self._executor()
+        starts = iter(range(offset, offset + length, piece))
+        end = offset + length
+        pending: deque[Future] = deque()
+        try:
+            for start in starts:
+                pending.append(pool.submit(self.get, start, min(start + piece, end)))
+                if len(pending) >= self._ahead:
+                    break
+            while pending:
+                data = pending.popleft().result()
+                start = next(starts, None)
+                if start is not None:
+                    pending.append(pool.submit(self.get, start, min(start + piece, end)))
+                yield data
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
