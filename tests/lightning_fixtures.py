@@ -190,3 +190,10 @@ def make_lightning_checkpoints(root: Path) -> Path:
 
 if __name__ == "__main__":
     _ranks(Path(sys.argv[1]), sys.argv[2])
+    # Lightning leaves its gloo process group up after fit and save; torn down by the interpreter's
+    # exit, its threads abort a rank now and then (SIGABRT, "terminate called without an active
+    # exception") after the checkpoint is written. The run's own teardown, as its users' scripts end.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
