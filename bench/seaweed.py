@@ -140,11 +140,14 @@ class S3Server:
         self.fs().mkdir(name)
         return name
 
-    def fs(self):
-        """An s3fs filesystem on this server, not cached (a test may outlive a restart)."""
+    def fs(self, **options):
+        """An s3fs filesystem on this server, not cached (a test may outlive a restart); ``options``
+        go to ``S3FileSystem``."""
         import s3fs
 
-        return s3fs.S3FileSystem(key=KEY, secret=SECRET, endpoint_url=self.endpoint, skip_instance_cache=True)
+        return s3fs.S3FileSystem(
+            key=KEY, secret=SECRET, endpoint_url=self.endpoint, skip_instance_cache=True, **options
+        )
 
     def kill(self) -> None:
         """Kill the server at once (SIGKILL), as a machine that dies does; the proxy stays."""
@@ -210,6 +213,10 @@ def start(home: Path, timeout: float = 60, ports: dict[str, int] | None = None) 
     args = [weed, "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}", "-master.telemetry=false"]
     args += [f"-{name}={port}" for name, port in ports.items()]
     args += [f"-s3.config={config}", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+    # Left at 0, the volume count is the free disk over 128 MiB: on a nearly full disk, none, and every
+    # write fails ("no volume server capacity"). Each bucket is a collection that grows volumes of its own,
+    # several at a time; volumes are sparse files, so a fixed count costs no disk until written.
+    args += ["-volume.max=512"]
     args += [f"-filer.localSocket={home}/filer.sock", f"-s3.localSocket={home}/s3.sock", f"-webdav.cacheDir={home}"]
     log = home / f"weed-{len(list(home.glob('weed*.log')))}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
@@ -225,13 +232,17 @@ def start(home: Path, timeout: float = 60, ports: dict[str, int] | None = None) 
             return server
         time.sleep(0.3)
     server.stop()
-    raise RuntimeError(f"weed mini's S3 endpoint not ready after {timeout} s:\n{log.read_text()[-3000:]}")
+    free = shutil.disk_usage(home).free >> 20
+    raise RuntimeError(
+        f"weed mini's S3 endpoint not ready after {timeout} s ({free} MiB free in {home}):\n{log.read_text()[-3000:]}"
+    )
 
 
 def _ready(server: S3Server) -> bool:
     """Whether a bucket can be made and listed (the filer and a volume are up, not just the port)."""
     try:
-        fs = server.fs()
+        # Short timeouts, one attempt: a probe that hangs would outlast start()'s deadline.
+        fs = server.fs(config_kwargs={"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}})
         name = f"ready-{uuid.uuid4().hex[:8]}"
         fs.mkdir(name)
         fs.pipe(f"{name}/probe", b"x")

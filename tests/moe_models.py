@@ -90,6 +90,19 @@ SMALL = dict(
     n_group=1,
     topk_group=1,
     num_layers=2,
+    # The towers of the multimodal families (audio, vision, Gemma 4's per-layer embeddings): left at their
+    # defaults they made 5 GiB of saves, as much disk and time as every other family together.
+    d_model=16,
+    encoder_ffn_dim=24,
+    encoder_attention_heads=2,
+    output_dim=16,
+    downsample_hidden_size=8,
+    out_hidden_size=16,
+    vision_output_dim=16,
+    projector_input_dim=16,
+    projector_output_dim=16,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
     **_MLA,
 )
 # What a config derives from other fields (per-layer lists for the default depth, DeepSeek's qk_head_dim,
