@@ -1,4 +1,5 @@
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -35,6 +36,21 @@ def _clear_stale_build_locks(root: Path) -> None:
 
 
 _clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+def pytest_sessionfinish(session) -> None:
+    """An xdist worker hands the fixtures it built to the controller, which prints the summary."""
+    from fixture_cache import BUILT
+
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fixtures_built"] = json.dumps(BUILT)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    from fixture_cache import BUILT
+
+    BUILT.extend(map(tuple, json.loads(getattr(node, "workeroutput", {}).get("fixtures_built", "[]"))))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

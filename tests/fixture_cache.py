@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE_ENV, COLD_ENV = "STREAMCK_FIXTURE_CACHE", "STREAMCK_COLD_FIXTURES"
 STALE_DAYS = 14  # entries of a fixture unused this long are removed when a new one of it is built
+# The test runner's own tools, which no fixture runs: adding one does not rebuild every fixture.
+RUNNER_ONLY = ("pytest_xdist-", "execnet-")
 BUILT: list[tuple[str, float]] = []  # (entry, seconds) built by this process, for the run's summary
 
 
@@ -52,6 +54,7 @@ def installed() -> str:
     venv = REPO / ".venv"  # clone elsewhere on the machine, with the same versions, shares the entries
     for pattern in ("*/*.dist-info", "*/lib/python*/site-packages/*.dist-info"):
         names.update(str(p.relative_to(venv)) for p in venv.glob(pattern))
+    names = {name for name in names if not Path(name).name.lower().startswith(RUNNER_ONLY)}
     text = "\n".join([sys.version, *sorted(names)])
     return hashlib.sha256(text.encode()).hexdigest()
 
