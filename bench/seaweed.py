@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -54,11 +55,12 @@ def free_ports(n: int) -> list[int]:
 
 class CountingProxy:
     """Forwards TCP connections on a loopback port to ``target``, counting the bytes each
-    way (``down``: server to client); ``rate`` (bytes/s per connection, 0: none) slows them,
-    so that a test can stop the server while a transfer is under way."""
+    way (``down``: server to client) and the connections made (``connections``); ``rate``
+    (bytes/s per connection, 0: none) slows them, so that a test can stop the server while a
+    transfer is under way."""
 
     def __init__(self, target: tuple[str, int]):
-        self.target, self.down, self.up, self.rate = target, 0, 0, 0
+        self.target, self.down, self.up, self.rate, self.connections = target, 0, 0, 0, 0
         self._lock = threading.Lock()
         self._listener = socket.create_server((HOST, 0))
         self.port = self._listener.getsockname()[1]
@@ -66,7 +68,7 @@ class CountingProxy:
 
     def reset(self) -> None:
         with self._lock:
-            self.down = self.up = 0
+            self.down = self.up = self.connections = 0
 
     def _accept(self) -> None:
         while True:
@@ -79,6 +81,8 @@ class CountingProxy:
             except OSError:
                 client.close()
                 continue
+            with self._lock:
+                self.connections += 1
             threading.Thread(target=self._pump, args=(server, client, "down"), daemon=True).start()
             threading.Thread(target=self._pump, args=(client, server, "up"), daemon=True).start()
 
@@ -114,6 +118,7 @@ class S3Server:
     home: Path
     log: Path
     ports: dict[str, int] = field(default_factory=dict)
+    sockets: Path | None = None  # the folder of its unix sockets
 
     @property
     def counted_endpoint(self) -> str:
@@ -164,6 +169,8 @@ class S3Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proxy.close()
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def _loopback(hex_address: str, peer: bool = False) -> bool:
@@ -217,16 +224,21 @@ def start(home: Path, timeout: float = 60, ports: dict[str, int] | None = None) 
     # write fails ("no volume server capacity"). Each bucket is a collection that grows volumes of its own,
     # several at a time; volumes are sparse files, so a fixed count costs no disk until written.
     args += ["-volume.max=512"]
-    args += [f"-filer.localSocket={home}/filer.sock", f"-s3.localSocket={home}/s3.sock", f"-webdav.cacheDir={home}"]
+    # A unix socket's path holds 107 bytes: under a deep temp dir (a pytest-xdist worker's) weed cannot
+    # listen, so the sockets get a short folder of their own, removed at stop().
+    sockets = Path(tempfile.mkdtemp(prefix="weed-"))
+    args += [f"-filer.localSocket={sockets}/filer.sock", f"-s3.localSocket={sockets}/s3.sock"]
+    args += [f"-webdav.cacheDir={home}"]
     log = home / f"weed-{len(list(home.glob('weed*.log')))}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, cwd=home, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     endpoint = f"http://{HOST}:{ports['s3.port']}"
-    server = S3Server(proc, endpoint, CountingProxy((HOST, ports["s3.port"])), home, log, ports)
+    server = S3Server(proc, endpoint, CountingProxy((HOST, ports["s3.port"])), home, log, ports, sockets)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            server.stop()
             raise RuntimeError(f"weed mini exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         if _ready(server):
             return server

@@ -17,6 +17,16 @@ def _device(text: str) -> str:
     return text
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
 class _AddRule(argparse.Action):
     """Collect every rule option into one list, keeping the order they were given in."""
 
@@ -58,6 +68,13 @@ def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None
     )
     group.add_argument(
         "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"
+    )
+    group.add_argument(
+        "--remote-concurrency",
+        type=_at_least_one,
+        metavar="N",
+        help="ranged requests (or part uploads) in flight per file of an s3:// URL; default 4, "
+        "or STREAMCK_REMOTE_CONCURRENCY",
     )
     group.add_argument(
         "--aux-layer-ids",

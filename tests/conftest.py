@@ -107,3 +107,22 @@ def moe_saves(tmp_path_factory):
     from moe_models import Saves
 
     return Saves(tmp_path_factory.mktemp("moe-saves"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A SeaweedFS S3 server on loopback for the test module (tests/s3_server.py)."""
+    from s3_server import foreign_sockets, start
+
+    srv = start(tmp_path_factory.mktemp("s3"))
+    yield srv
+    try:  # after every test of the module: the server, the proxy and s3fs here were on loopback only
+        assert foreign_sockets(srv.proc.pid) == foreign_sockets(os.getpid()) == []
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def bucket(server):
+    """A new empty bucket on ``server``."""
+    return server.bucket()

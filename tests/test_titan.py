@@ -6,14 +6,11 @@ trainer's own forward against transformers loading the output with from_pretrain
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, fixture_root, says_the_plan
+from helpers import cli, says_the_plan, titan_checkpoints
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -26,17 +23,7 @@ PLAN = "torchtitan-llama3"
 @pytest.fixture(scope="session")
 def titan(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture folders by model name, built once per fixture-script version (cached)."""
-    base = fixture_root(tmp_path_factory, "titan", BENCH / "titan_ckpt.py", BENCH / "standins.py") / "titan"
-
-    def build(tmp: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(BENCH / "titan_ckpt.py"), str(tmp)], env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"torchtitan fixture failed:\n{done.stderr[-6000:]}")
-
-    built_once(base, build)
-    return {d.name: d for d in base.iterdir() if d.is_dir()}
+    return titan_checkpoints(tmp_path_factory)
 
 
 def _rewrite(case: Path, out: Path, *extra: str, check: int = 0):

@@ -16,6 +16,7 @@ from pathlib import Path
 from streamck.errors import PlanError, listing
 from streamck.plan.rules import Rules
 from streamck.source.layout import CONSOLIDATED, HF_METADATA, hub_snapshot
+from streamck.storage import location
 
 
 def only_casts(rules: Rules | None, plan: str) -> Rules:
@@ -32,7 +33,7 @@ def find_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The given directory if it holds config.json, else its ``model/consolidated``, else the
     config written beside a step's shards (``model/.hf_metadata``); for a Hugging Face cache
     entry or repo id, its snapshot."""
-    path = hub_snapshot(Path(path))
+    path = hub_snapshot(location(path))
     for candidate in (path, path / CONSOLIDATED, path / HF_METADATA):
         if (candidate / "config.json").is_file():
             return candidate

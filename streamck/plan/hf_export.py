@@ -20,6 +20,7 @@ from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
 from streamck.plan.contract import check_shape
 from streamck.plan.rules import Rules
 from streamck.source import Checkpoint, TensorRef
+from streamck.storage import location
 
 # Shape symbols -> the Hugging Face config key behind each (named in shape errors).
 SYMBOLS = {
@@ -43,7 +44,7 @@ FLOATS = frozenset({"F32", "BF16", "F16"})
 def find_config(step: Path, given: str | Path | None, plan: str) -> Path:
     """``given`` (``--hf-config``), else a ``config.json`` in the step folder or beside it."""
     if given is not None:
-        path = Path(given)
+        path = location(given)
         if not path.is_file():
             raise PlanError("--hf-config: no such file", path)
         return path

@@ -14,11 +14,10 @@ from streamck.source.crosscheck import cross_check
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
 from streamck.source.layout import Layout, bare_run_root, find_layout
-from streamck.source.remote_layout import remote_layout
 from streamck.source.steps import pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
 from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
-from streamck.storage import UrlPath, location
+from streamck.storage import UrlPath, location, open_file
 
 
 def _also_in(name: str, tensors: dict[str, TensorRef], shard: Path) -> CheckpointError:
@@ -91,11 +90,7 @@ def open_checkpoint(
 def resolve_step(path: Path, step: str | int | None) -> tuple[Path, list[Info]]:
     """The folder to read for ``path`` and ``step``: a run root's step (``latest`` too, and
     implied where the run marks it and no ``--step`` is given), else ``path``; with a note
-    saying which step was picked, for the user to see. A URL is read as it is."""
-    if isinstance(path, UrlPath):
-        if step is not None:
-            raise CheckpointError("--step: run roots of steps are not read from URLs yet; give the step's URL", path)
-        return path, []
+    saying which step was picked, for the user to see."""
     if step is None and bare_run_root(path):
         step = "latest"
     if step is None:
@@ -109,7 +104,7 @@ def _read_shard(path: Path, select: str | None, notices: list[str]) -> Header:
     if path.suffix in TORCH_SUFFIXES:
         return read_torch_zip(path, select, notices)
     if path.suffix != ".safetensors":
-        with open(path, "rb") as f:  # any other name: the first bytes decide
+        with open_file(path) as f:  # any other name: the first bytes decide
             if f.read(4) == b"PK\x03\x04":
                 return read_torch_zip(path, select, notices)
     ignored = f"key {select!r} ignored: safetensors files hold no nested dicts"
@@ -161,7 +156,7 @@ _name = itemgetter(0)  # TensorRef.name, at C speed
 
 
 def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied: bool = False) -> Checkpoint:
-    layout = remote_layout(path) if isinstance(path, UrlPath) else find_layout(path)
+    layout = find_layout(path)
     if layout.kind == "zero" or (zero and layout.zero is not None):
         found = untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
         return not_empty(found, "DeepSpeed ZeRO")

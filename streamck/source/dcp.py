@@ -31,6 +31,7 @@ from streamck.source.groups import ALL_KEY, is_state, model_group, model_note
 from streamck.source.header import read_header
 from streamck.source.runs import Tile, tiling_error
 from streamck.source.serde import Invalid, no_duplicates
+from streamck.storage import location, open_file
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 _SHARD_NAME = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors")
@@ -93,7 +94,7 @@ def read_sharded_safetensors(paths: list[Path], key: str | None = None) -> tuple
     ``DCP_SHARDING_INFO`` (the save plan's order), and notices (the top-level groups; this
     format holds no non-tensor items). ``key`` reads the tensors under it (see select).
     """
-    paths = [p if isinstance(p, Path) else Path(p) for p in paths]
+    paths = [location(p) for p in paths]
     if not paths:
         raise CheckpointError("no sharded safetensors files given")
     _shard_indices(paths)
@@ -149,7 +150,7 @@ def read_sharded_safetensors(paths: list[Path], key: str | None = None) -> tuple
 def _pickle_in_front(path: Path) -> None:
     """Refuse a rank file that starts with a torch.save archive: torch's HuggingFaceStorageWriter
     writes a non-tensor item (a step counter) there, in front of the safetensors bytes."""
-    with open(path, "rb") as f:
+    with open_file(path) as f:
         if f.read(4) == b"PK\x03\x04":
             raise CheckpointError(
                 "starts with a pickled non-tensor item, not a safetensors header: torch's "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 from streamck.errors import CheckpointError, listing
 from streamck.source.dcp import Entry, _finish, select
@@ -26,6 +27,7 @@ from streamck.source.header import TensorRef
 from streamck.source.reader import Reader
 from streamck.source.runs import Tile
 from streamck.source.torchzip import _flatten, _Lazy, _ref, load_archive, storage_starts
+from streamck.storage import UrlPath, location
 
 __all__ = ["METADATA_FILE", "read_distcp"]
 
@@ -59,20 +61,33 @@ class _Files:
     def __init__(self, pool: Reader):
         self.pool, self.sizes = pool, {}
 
-    def blob(self, where: Location, what: str) -> _Window:
-        try:
-            fd = self.pool.fd(where.path)
-        except CheckpointError:
-            if not where.path.exists():
-                raise CheckpointError("file named by .metadata is missing (a rank file?)", where.path) from None
-            raise
-        size = self.sizes.get(where.path)
-        if size is None:
-            size = self.sizes[where.path] = os.fstat(fd).st_size
+    def blob(self, where: Location, what: str) -> _Window | BinaryIO:
+        """The blob at ``where`` as a seekable file: a window on a pooled fd, or on a remote
+        file read by ranges (a chunk's zip directory and pickle, a few requests)."""
+        path = where.path
+        if isinstance(path, UrlPath):
+            if path not in self.sizes and not path.exists():
+                raise CheckpointError("file named by .metadata is missing (a rank file?)", path)
+            src = self.pool.remote(path)
+            size = self.sizes[path] = src.size
+        else:
+            try:
+                fd = self.pool.fd(path)
+            except CheckpointError:
+                if not path.exists():
+                    raise CheckpointError("file named by .metadata is missing (a rank file?)", path) from None
+                raise
+            size = self.sizes.get(path)
+            if size is None:
+                size = self.sizes[path] = os.fstat(fd).st_size
         if where.offset + where.length > size:
             raise CheckpointError(
-                f"{what}: bytes [{where.offset}, +{where.length}) run past the {size}-byte file", where.path
+                f"{what}: bytes [{where.offset}, +{where.length}) run past the {size}-byte file", path
             )
+        if isinstance(path, UrlPath):
+            from streamck.storage.remote import open_file
+
+            return open_file(src, where.offset, where.length)
         return _Window(fd, where.offset, where.length)
 
 
@@ -182,7 +197,7 @@ def read_distcp(directory: Path, key: str | None = None) -> tuple[dict[str, Entr
     Returns the entries in save-plan order and the notices: the top-level groups, one
     line per group of skipped non-tensor items, and, when no item is a tensor, why.
     """
-    directory = directory if isinstance(directory, Path) else Path(directory)
+    directory = location(directory)
     saved = read_metadata(directory)
     _disjoint(saved)
     with Reader() as pool:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from streamck.errors import CheckpointError
 from streamck.source.dcp import _int_tuple
 from streamck.source.torchzip import MAX_PICKLE, TORCH_DTYPES
+from streamck.storage import open_file
 
 METADATA_FILE = ".metadata"
 _RANK_METADATA = re.compile(r"__(\d+)\.metadata")
@@ -136,7 +137,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _load(path: Path) -> _Metadata:
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             raw = f.read(MAX_PICKLE + 1)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", path) from None

@@ -12,6 +12,7 @@ import orjson
 
 from streamck.errors import CheckpointError, listing
 from streamck.source.steps import LATEST_LINK, LATEST_NAME, LATEST_NUMBER, steps
+from streamck.storage import UrlPath
 
 # Index files, most preferred first; each names shards relative to its directory.
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -254,6 +255,8 @@ def hub_snapshot(path: Path) -> Path:
     """``path`` itself; or for a Hugging Face cache entry (``models--org--name``), or a repo id
     (``org/name`` that is no path here) found in the local cache, the snapshot ``refs/main``
     names. Never the network: a repo id that is not cached is an error saying so."""
+    if isinstance(path, UrlPath):
+        return path
     if not path.exists() and REPO_ID.match(path.as_posix()):
         cached = hub_cache() / ("models--" + path.as_posix().replace("/", "--"))
         if not cached.is_dir():
@@ -292,7 +295,7 @@ def find_layout(path: Path) -> Layout:
             raise refused
         return Layout(path.parent, [path])
     if not path.is_dir():
-        raise CheckpointError("no such file or directory", path)
+        raise CheckpointError("no such file or directory" + (" (or bucket)" if isinstance(path, UrlPath) else ""), path)
     try:
         zero, unclear = find_zero(path), None
     except CheckpointError as e:

@@ -85,7 +85,7 @@ class Reader:
         """A read-only fd on ``path``, from the pool: at most pool_size() stay open, the least
         recently used closed first (a ZeRO or DCP checkpoint may have thousands of files)."""
         if isinstance(path, UrlPath):
-            raise CheckpointError("only safetensors files are read from URLs yet", path)
+            raise TypeError(f"{path}: a URL has no fd; read it through Reader.remote")
         fd = self._fds.pop(path, None)
         if fd is None:
             if len(self._fds) >= self._max_fds:
@@ -96,6 +96,13 @@ class Reader:
                 raise CheckpointError(f"cannot read: {e.strerror}", path) from None
         self._fds[path] = fd  # re-inserted: dicts keep insertion order, the oldest comes first
         return fd
+
+    def read_at(self, path: Path, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the bytes of ``path`` at ``offset``, or raise CheckpointError."""
+        if isinstance(path, UrlPath):
+            self.remote(path).readinto(view, offset)
+        else:
+            read_into(self.fd(path), view, offset, str(path))
 
     def remote(self, path: UrlPath) -> RemoteSource:
         """The source of the remote file ``path``, opened on first use and kept until ``close``."""
@@ -281,7 +288,8 @@ class TensorStream:
         if ref.strides is not None:
             from streamck.source.strided import gather
 
-            self._blocks = gather(ref, reader.chunk, reader.fd(ref.path))
+            src = reader.remote(ref.path) if isinstance(ref.path, UrlPath) else reader.fd(ref.path)
+            self._blocks = gather(ref, reader.chunk, src)
         elif self._grid is None and self._parts is None:
             self._runs = ref.runs()
         self._rest: Run | memoryview | None = None  # what the last call left of a run or block
@@ -350,7 +358,7 @@ def _fill_rows(reader: Reader, grid: RowBlocks, view: memoryview, pos: int) -> N
             if a >= b:
                 continue
             src = reader.scratch(b - a)
-            read_into(reader.fd(path), src, start + a, str(path))
+            reader.read_at(path, src, start + a)
             src = np.frombuffer(src, np.uint8)
             edges = [(ba, ca, cb)] if ba == bz else [(ba, ca, width), (bz, 0, cb)]
             for r, x, y in edges:  # rows the window may cut

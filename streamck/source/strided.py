@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from streamck.fileio import read_into
 from streamck.source.header import TensorRef
+from streamck.storage import ByteSource
 
 if TYPE_CHECKING:  # numpy is imported where a view is gathered, not by every rewrite
     import numpy as np
@@ -55,10 +56,12 @@ class _Gatherer:
     numpy copy, else each slice is filled the same way.
     """
 
-    def __init__(self, ref: TensorRef, fd: int, limit: int):
+    def __init__(self, ref: TensorRef, src: int | ByteSource, limit: int):
         import numpy as np
 
-        self.ref, self.fd, self.item = ref, fd, _itemsize(ref)
+        self.ref, self.src, self.item = ref, src, _itemsize(ref)
+        if not isinstance(src, int):  # a remote file's source: whole reads at an offset
+            self._read = self._read_source
         self.scratch = np.empty(2 * limit, np.dtype(f"<u{self.item}"))  # spans of 2x a box read at once
         self.raw, self.path = memoryview(self.scratch).cast("B"), str(ref.path)
 
@@ -66,8 +69,11 @@ class _Gatherer:
         # Called once per run of a transposed matrix (a million times per GiB): one syscall.
         view = self.raw[at * self.item : (at + count) * self.item]
         pos = self.ref.start + offset * self.item
-        if os.preadv(self.fd, [view], pos) != len(view):
-            read_into(self.fd, view, pos, self.path)  # a short read: finish it, or say why
+        if os.preadv(self.src, [view], pos) != len(view):
+            read_into(self.src, view, pos, self.path)  # a short read: finish it, or say why
+
+    def _read_source(self, offset: int, count: int, at: int = 0) -> None:
+        self.src.readinto(self.raw[at * self.item : (at + count) * self.item], self.ref.start + offset * self.item)
 
     def _strided(self, shape: tuple[int, ...], strides) -> np.ndarray:
         from numpy.lib.stride_tricks import as_strided
@@ -102,8 +108,9 @@ class _Gatherer:
             slices[first : first + n] = self._strided((n, *rest), (run, *rest_strides))
 
 
-def gather(ref: TensorRef, chunk: int, fd: int) -> Iterator[memoryview]:
-    """The bytes of the strided tensor ``ref``, read through ``fd`` (open on its file), in
+def gather(ref: TensorRef, chunk: int, fd: int | ByteSource) -> Iterator[memoryview]:
+    """The bytes of the strided tensor ``ref``, read through ``fd`` (open on its file, or a
+    remote file's ByteSource), in
     row-major order, in blocks of at most ``chunk`` bytes (or one element); memory is
     about three blocks."""
     import numpy as np

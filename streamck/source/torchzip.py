@@ -23,6 +23,7 @@ from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import Header, TensorRef
 from streamck.source.sniff import SAMPLE, looks_like
 from streamck.source.torchzip_keys import select
+from streamck.storage import open_file
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
 MAX_DEPTH = 100  # dicts and lists nested deeper are hostile (or cyclic), not a state dict
@@ -257,7 +258,7 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     a missing ``key``, and two entries whose dotted names are the same.
     """
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             if f.read(4) != b"PK\x03\x04":
                 f.seek(0)
                 what = looks_like(f.read(SAMPLE))

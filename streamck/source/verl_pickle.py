@@ -20,6 +20,7 @@ from typing import NamedTuple
 from streamck.errors import CheckpointError
 from streamck.source.torchzip import _Lazy, _rebuild_v2, _ref, _WeightsOnly, load_archive, storage_starts
 from streamck.source.zero_files import _Opaque, _stub
+from streamck.storage import open_file
 
 # The modules of DTensor's spec and mesh classes (torch 2.4 to 2.13): every class there is
 # read as a stand-in that holds its constructor arguments and state.
@@ -101,7 +102,7 @@ def read_rank(path: Path) -> RankState:
     """Unpickle the rank file at ``path`` under the allow-list; plain tensors and local shards
     become TensorRefs (checked to lie inside their storage records)."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             if f.read(4) != b"PK\x03\x04":
                 raise CheckpointError("not a zip archive (a legacy torch file?)", path)
             obj, storages, records, prefix = load_archive(f, path, _VerlPickle)

@@ -38,6 +38,7 @@ from streamck.errors import CheckpointError, listing
 from streamck.source.runs import Tile, tiling_error
 from streamck.source.torchzip import _Lazy
 from streamck.source.zero_files import Cursor, Flat, RankFile, data_only, save_stamp, shape_of, stage_of
+from streamck.storage import UrlPath, location
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -63,7 +64,7 @@ def find_zero(path: Path) -> Path | None:
     Raises CheckpointError when ``latest`` names something else, or when there is no
     ``latest`` and several folders hold ZeRO state (which one is the model is a guess).
     """
-    path = Path(path)
+    path = location(path)
     if not path.is_dir():
         return None
     if _has_zero(path):
@@ -81,8 +82,11 @@ def find_zero(path: Path) -> Path | None:
         return path / tag
     # DeepSpeed's own tag is global_step<N>: only those folders are looked into (a DCP
     # folder beside them may hold thousands of files)
-    with os.scandir(path) as it:
-        named = [Path(e.path) for e in it if e.name.startswith("global_step") and e.is_dir()]
+    if isinstance(path, UrlPath):
+        named = [p for p in path.iterdir() if p.name.startswith("global_step") and p.is_dir()]
+    else:
+        with os.scandir(path) as it:
+            named = [Path(e.path) for e in it if e.name.startswith("global_step") and e.is_dir()]
     found = sorted((p for p in named if _has_zero(p)), key=_step_order)
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
@@ -147,7 +151,7 @@ def read_zero(step_dir: Path) -> tuple[dict[str, Entry], dict[str, str], list[st
     files, a missing or extra rank file, optimizer state offloaded to NVMe, counts that do
     not add up, and any pickle that names more than tensors and DeepSpeed bookkeeping.
     """
-    step_dir = Path(step_dir)
+    step_dir = location(step_dir)
     if not step_dir.is_dir():
         raise CheckpointError("no such directory", step_dir)
     names = sorted(p.name for p in step_dir.iterdir() if p.is_file())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import _compat_pickle
 import math
-import os
 import pickle
 import struct
 import zipfile
@@ -18,6 +17,7 @@ from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
 from streamck.source.runs import Tile
 from streamck.source.torchzip import _data_offset, _Lazy, _rebuild_v2, _WeightsOnly, load_archive
+from streamck.storage import ByteSource, open_file, open_source
 
 
 class _Opaque:
@@ -153,7 +153,7 @@ class RankFile:
     def __init__(self, path: Path):
         self.path = path
         try:
-            with open(path, "rb") as f:
+            with open_file(path) as f:
                 if f.read(4) != b"PK\x03\x04":
                     raise CheckpointError("not a zip archive (a legacy torch file?)", path)
                 self.obj, storages, records, prefix = load_archive(f, path, _ZeroPickle)
@@ -209,11 +209,11 @@ def save_stamp(rf: RankFile) -> dict[str, object]:
         steps = {v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
         tensors = [v for v in values if isinstance(v, _Lazy) and v.dtype in _SCALAR and math.prod(v.size) == 1]
         if tensors:  # torch's AdamW keeps its step as a one-element tensor per param group
-            fd = os.open(rf.path, os.O_RDONLY)
+            src = open_source(rf.path)
             try:
-                steps |= {_read_scalar(fd, rf.flat(t, "optimizer step")) for t in tensors}
+                steps |= {_read_scalar(src, rf.flat(t, "optimizer step")) for t in tensors}
             finally:
-                os.close(fd)
+                src.close()
         if steps:
             stamp["optimizer step"] = max(steps)
     return stamp
@@ -234,8 +234,10 @@ def _find_key(obj: object, key: str, depth: int):
             yield from _find_key(v, key, depth - 1)
 
 
-def _read_scalar(fd: int, f: Flat) -> int | float:
-    return struct.unpack(_SCALAR[f.dtype], os.pread(fd, BITS[f.dtype] // 8, f.start))[0]
+def _read_scalar(src: ByteSource, f: Flat) -> int | float:
+    raw = bytearray(BITS[f.dtype] // 8)
+    src.readinto(memoryview(raw), f.start)
+    return struct.unpack(_SCALAR[f.dtype], raw)[0]
 
 
 def shape_of(v: object, what: str, path: Path) -> tuple[int, ...]:

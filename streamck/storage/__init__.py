@@ -13,11 +13,11 @@ imports nothing of streamck above its errors and raw fd helpers.
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from streamck.storage.url import UrlPath, is_url, location
 
-__all__ = ["ByteSource", "UrlPath", "is_url", "location", "open_source", "stamp"]
+__all__ = ["ByteSource", "UrlPath", "is_url", "location", "open_file", "open_source", "stamp"]
 
 
 class ByteSource(Protocol):
@@ -41,6 +41,17 @@ def open_source(path: os.PathLike) -> ByteSource:
     from streamck.storage.local import LocalSource
 
     return LocalSource(path)
+
+
+def open_file(path: os.PathLike) -> BinaryIO:
+    """A seekable binary file on ``path`` for readers of pickles and zip directories: a local
+    file (OSError if it cannot be opened), or a remote one read by ranges (CheckpointError)."""
+    if isinstance(path, UrlPath):
+        from streamck.storage.remote import RemoteSource
+        from streamck.storage.remote import open_file as remote_file
+
+        return remote_file(RemoteSource.open(path))
+    return open(path, "rb")
 
 
 def stamp(path: os.PathLike) -> tuple[int, int, int | str]:

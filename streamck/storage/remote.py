@@ -11,6 +11,7 @@ PurePosixPath it is: streamck.storage.url imports this module.
 
 from __future__ import annotations
 
+import io
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -25,11 +26,25 @@ CONCURRENCY = 4  # ranged requests (or part uploads) in flight per file
 PIECE = 16 << 20  # bytes per ranged GET of a long run
 BLOCK = 4 << 20  # a read at least this long is split over the requests in flight
 GAP = 64 << 10  # bytes between two short reads fetched (and dropped) rather than paid a request for
+FILE_BUFFER = 8 << 10  # what one small read of a pickle or zip directory fetches (a DCP blob: its tensor follows)
 EXTRA = "pip install 'streamck[remote]'"
 
 
+_chosen: int | None = None  # set_concurrency's: the CLI's --remote-concurrency
+
+
+def set_concurrency(n: int | None) -> None:
+    """Make ``n`` requests in flight per file the rule for this process (None: back to the default)."""
+    global _chosen
+    if n is not None and n < 1:
+        raise UsageError(f"remote concurrency {n}: must be at least 1")
+    _chosen = n
+
+
 def concurrency() -> int:
-    """Requests in flight per file: ``STREAMCK_REMOTE_CONCURRENCY``, else CONCURRENCY."""
+    """Requests in flight per file: set_concurrency's, else ``STREAMCK_REMOTE_CONCURRENCY``, else CONCURRENCY."""
+    if _chosen is not None:
+        return _chosen
     raw = os.environ.get(CONCURRENCY_ENV, "")
     try:
         value = int(raw) if raw else CONCURRENCY
@@ -108,6 +123,15 @@ def info(url: PurePosixPath, fresh: bool = False) -> dict | None:
             return None
 
 
+def entry(url: PurePosixPath) -> dict | None:
+    """``url``'s entry in its folder's listing (``type``, ``size`` …), None when it has none;
+    the listing is one request that fsspec keeps for the next question. A bucket is asked itself."""
+    filesystem(url)  # a missing package is said of the URL asked about, not of its folder
+    if len(url.parts) <= 2:  # s3:/bucket
+        return info(url)
+    return listdir(url.parent).get(url.name)
+
+
 def listdir(url: PurePosixPath, fresh: bool = False) -> dict[str, dict]:
     """The entries of the folder ``url`` by name (each its info); empty when there is none."""
     fs = filesystem(url)
@@ -160,7 +184,7 @@ class RemoteSource:
         if found is None:
             raise CheckpointError("no such file or directory (or bucket)", url)
         if found.get("type") != "file":
-            raise CheckpointError("is a directory, expected a .safetensors file", url)
+            raise CheckpointError("is a directory, expected a file", url)
         return cls(url, filesystem(url), int(found["size"]))
 
     def get(self, start: int, end: int) -> bytes:
@@ -236,3 +260,41 @@ class RemoteSource:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+class _RemoteRaw(io.RawIOBase):
+    """Bytes ``[base, base + length)`` of a remote file as a raw seekable file, each read one
+    ranged GET; io.BufferedReader in front makes the small reads of a zip directory or a
+    pickle a few requests (open_file)."""
+
+    def __init__(self, source: RemoteSource, base: int, length: int):
+        super().__init__()
+        self.source, self.base, self.length, self.pos = source, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, (0, self.pos, self.length)[whence] + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self.length - self.pos)]
+        if len(view):
+            self.source.readinto(view, self.base + self.pos)
+        self.pos += len(view)
+        return len(view)
+
+
+def open_file(source: RemoteSource, base: int = 0, length: int | None = None) -> io.BufferedReader:
+    """A seekable binary file on ``source``'s bytes from ``base`` (``length`` of them, else to
+    its end), read by ranges through a FILE_BUFFER buffer: for zip directories and pickles,
+    never for tensor data. A failed request raises CheckpointError naming the URL."""
+    length = source.size - base if length is None else length
+    return io.BufferedReader(_RemoteRaw(source, base, length), FILE_BUFFER)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from collections.abc import Iterator
@@ -40,23 +41,38 @@ class UrlPath(PurePosixPath):
         """The URL without its scheme (``bucket/dir/file``), as fsspec names it."""
         return "/".join(self.parts[1:])
 
-    # What the readers of side files and layouts ask of a path, asked of the server
-    # (streamck.storage.remote); fsspec remembers a folder's listing, so a file's
-    # questions after its folder's cost no request.
+    # What the readers of layouts and side files ask of a path, asked of the server
+    # (streamck.storage.remote): each from its folder's listing, one request that fsspec
+    # keeps, so that the dozens of questions a layout asks of a folder cost one request.
     def exists(self) -> bool:
-        from streamck.storage.remote import info
+        from streamck.storage.remote import entry
 
-        return info(self) is not None
+        return entry(self) is not None
 
     def is_file(self) -> bool:
-        from streamck.storage.remote import info
+        from streamck.storage.remote import entry
 
-        return (info(self) or {}).get("type") == "file"
+        return (entry(self) or {}).get("type") == "file"
 
     def is_dir(self) -> bool:
-        from streamck.storage.remote import info
+        from streamck.storage.remote import entry
 
-        return (info(self) or {}).get("type") == "directory"
+        return (entry(self) or {}).get("type") == "directory"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def resolve(self) -> UrlPath:
+        """Itself: a URL has no links to follow (a synced ``LATEST`` link is a folder)."""
+        return self
+
+    def glob(self, pattern: str) -> Iterator[UrlPath]:
+        """The entries of this folder whose names match ``pattern`` (one level: no ``/``, no ``**``)."""
+        if "/" in pattern or "**" in pattern:
+            raise ValueError(f"UrlPath.glob takes one level's pattern, not {pattern!r}")
+        from streamck.storage.remote import listdir
+
+        return iter([self / name for name in sorted(listdir(self)) if fnmatch.fnmatchcase(name, pattern)])
 
     def iterdir(self) -> Iterator[UrlPath]:
         from streamck.storage.remote import listdir

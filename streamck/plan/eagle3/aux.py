@@ -21,6 +21,7 @@ from streamck.plan.eagle3.layout import (
     RECIPE_SNAPSHOT,
 )
 from streamck.source.layout import CONSOLIDATED, HF_METADATA
+from streamck.storage import location
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def parse_aux_layer_ids(value: str | Sequence[int]) -> list[int]:
 def recipe_snapshot(path: str | os.PathLike, directory: Path) -> Path | None:
     """The ``config.yaml`` of the step holding ``directory`` (the step itself, or the step
     above its ``model/consolidated`` or ``model/.hf_metadata``), if there is one."""
-    steps = [Path(path), directory]
+    steps = [location(path), directory]
     if directory.name in (CONSOLIDATED.name, HF_METADATA.name) and directory.parent.name == CONSOLIDATED.parent.name:
         steps.append(directory.parent.parent)
     for step in steps:

@@ -30,6 +30,7 @@ from streamck.errors import PlanError, listing
 from streamck.plan.compile import OutputTensor, Plan
 from streamck.plan.lora.config import LoraConfig, read_config, weights_file
 from streamck.source import Checkpoint, TensorRef, open_checkpoint
+from streamck.storage import location
 from streamck.transforms.lora import LoraMerge
 from streamck.transforms.lora_np import NumpyMerge
 from streamck.transforms.lora_torch import TorchMerge
@@ -64,7 +65,7 @@ def merge_lora(
     that the adapter's ``base_model_name_or_path`` names this base. ``engine="numpy"`` computes
     without torch, not bit for bit (streamck.transforms.lora_np).
     Raises PlanError."""
-    adapter = Path(adapter)
+    adapter = location(adapter)
     config = read_config(adapter)
     source = open_checkpoint(weights_file(adapter))
     base = plan.source

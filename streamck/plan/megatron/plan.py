@@ -55,6 +55,7 @@ from streamck.plan.megatron.verl import find_actor, left_out, tokenizer_files, v
 from streamck.plan.rules import Rules
 from streamck.source import TensorRef, open_checkpoint
 from streamck.source.select import Rows, select
+from streamck.storage import location
 
 PLAN = "megatron-gpt"
 # multi-latent attention (--plan's DeepSeek-V3), its down-projections apart or fused (mla_layout.FUSED)
@@ -212,13 +213,13 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
     root with its tracker file, or an ``iter_*`` folder). Only cast rules may accompany it;
     every key, shape and size is checked before anything is written."""
     rules = only_casts(rules, PLAN)
-    verl = find_actor(Path(path))
+    verl = find_actor(location(path))
     if verl is not None:
         hf_config = verl_config(verl, hf_config)
         if hf_config is None:
             raise PlanError(f"a verl Megatron actor saved without 'hf_model' in save_contents has no {verl.hf.name}/"
                             "config.json: give --hf-config (the base model's config.json)", verl.actor)  # fmt: skip
-    step = step_dir(verl.dist if verl else Path(path))
+    step = step_dir(verl.dist if verl else location(path))
     common = read_common(step)
     args, iteration = common.args, common.iteration
     ckpt = open_checkpoint(step)

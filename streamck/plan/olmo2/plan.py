@@ -24,6 +24,7 @@ from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
 from streamck.source.olmo import MODEL_DIR
 from streamck.source.select import select
+from streamck.storage import location
 
 PLAN = "olmo2"
 _MISSING = object()
@@ -90,7 +91,7 @@ def olmo2_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config: s
     """Compile the ``Olmo2ForCausalLM`` export of the OLMo-core checkpoint at ``path``. Only
     cast rules may accompany it; every key, shape and the config are checked first."""
     rules = only_casts(rules, PLAN)
-    path = Path(path)
+    path = location(path)
     config, config_path = _config(_step(path), hf_config)
     sizes = hf_export.sizes(config, config_path)
     if config.get("attention_bias") is True:

@@ -6,9 +6,9 @@ what vLLM reads to pick its kernels."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from streamck.plan.compile import Plan
+from streamck.storage import location
 
 # The compressed-tensors version model_free_ptq 0.14.0.1 runs with and records ("version").
 CT_VERSION = "0.19.0"
@@ -119,7 +119,7 @@ def output_config(plan: Plan, beside_source: bool = False) -> dict | None:
     if data is None:
         return None
     try:
-        loaded = json.loads(data if isinstance(data, bytes) else Path(data).read_bytes())
+        loaded = json.loads(data if isinstance(data, bytes) else location(data).read_bytes())
     except (OSError, ValueError):
         return None
     return loaded if isinstance(loaded, dict) else None

@@ -36,6 +36,7 @@ from streamck.plan.torchtitan.moe import moe_keys, moe_outputs, moe_sizes
 from streamck.source import TensorRef, open_checkpoint
 from streamck.source.layout import DCP_METADATA
 from streamck.source.select import Rows, select
+from streamck.storage import location
 
 PLAN = "torchtitan"
 # Config flags for biases that torchtitan's Llama 3 and Qwen3 never have.
@@ -99,7 +100,7 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
     """Compile the Hugging Face export of the torchtitan step at ``path``. Only cast rules
     may accompany it; every key, shape and the config are checked before anything is written."""
     rules = only_casts(rules, PLAN)
-    step = _step_dir(Path(path))
+    step = _step_dir(location(path))
     config_path = hf_export.find_config(step, hf_config, PLAN)
     config = load_config(config_path)
     sizes = hf_export.sizes(config, config_path)
