@@ -1040,6 +1040,67 @@ def case_remote(a: argparse.Namespace, tmp: Path) -> str:
     )
 
 
+# A training step as dcp.save writes it: the model (F32 Linear layers of about --size) and AdamW's
+# state (two moments, 2x the model's bytes), in one process; argv: DIR SIZE_BYTES.
+_TRAIN_STEP = """
+import sys, torch, torch.distributed.checkpoint as dcp
+size, width = int(sys.argv[2]), 2048 if int(sys.argv[2]) >= 64 << 20 else 128
+torch.manual_seed(0)
+model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(max(1, size // (4 * width * width)))))
+optim = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, width)).sum().backward()
+optim.step()
+dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=sys.argv[1])
+"""
+
+
+@case
+def case_remote_train(a: argparse.Namespace, tmp: Path) -> str:
+    """A model + AdamW DCP step in a bucket -> local safetensors: streamck (the model only) vs s3fs get alone."""
+    from seaweed import start
+
+    src = tmp / "step"
+    subprocess.run([PY, "-c", _TRAIN_STEP, str(src), str(parse_size(a.size))], check=True, capture_output=True)
+    data = _dir_bytes(src)
+    server = start(tmp / "s3")
+    saved = dict(os.environ)
+    try:
+        bucket, fs = server.bucket(), server.fs()
+        fs.put(f"{src}/", f"{bucket}/step/", recursive=True)
+        os.environ.update(server.env(counted=True))
+        url, out, dl = f"s3://{bucket}/step", tmp / "out", tmp / "dl"
+        get = f"{PY} -c 'import s3fs, sys; s3fs.S3FileSystem().get(sys.argv[1], sys.argv[2], recursive=True)'"
+
+        def cleanup() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(dl, ignore_errors=True)
+
+        contenders = {
+            "s3fs get (the download alone)": ["sh", "-c", f"{get} {url}/ {dl}/"],
+            "streamck rewrite s3:// -> local": streamck("rewrite", "-q", url, "-o", str(out / "model.safetensors")),
+        }
+        runs, moved = _remote_runs(contenders, a.reps, a.settle, server.proxy, cleanup)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        server.stop()
+    rows = ["| contender | fetched |", "|---|---|"] + [f"| {k} | {mib(d)} |" for k, (d, _) in moved.items()]
+    return (
+        f"Checkpoint: one training step written by `dcp.save` (torch {_torch_version()}): F32 Linear layers and "
+        f"AdamW's two moments, {data / 2**30:.2f} GiB in all, in a bucket of SeaweedFS {_weed_version()} on "
+        f"127.0.0.1 through a counting proxy. Output: the model as one safetensors file. {a.reps} interleaved "
+        f"reps, {a.settle:.0f} s settle.\n\n"
+        + table(runs, "s3fs get (the download alone)", data)
+        + "\n\nBytes through the server's port (the proxy's count, last run):\n\n"
+        + "\n".join(rows)
+    )
+
+
+def _torch_version() -> str:
+    proc = subprocess.run([PY, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    return proc.stdout.strip() or "?"
+
+
 def _weed_version() -> str:
     from seaweed import weed_binary
 
@@ -1084,6 +1145,7 @@ DEFAULT_SIZE = {
     "lora": "1GiB",
     "verl": "1GiB",
     "remote": "1GiB",
+    "remote_train": "256MiB",
 }
 
 

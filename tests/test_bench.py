@@ -75,3 +75,7 @@ def test_bench_remote_case_runs_at_toy_size(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| streamck rewrite s3:// -> local |" in proc.stdout and "| streamck rewrite s3:// -> s3:// |" in proc.stdout
     assert "| s3fs get + rewrite + s3fs put |" in proc.stdout and "| contender | fetched | sent |" in proc.stdout
+    args = ["remote_train", "--size", "4MiB", "--reps", "1", "--settle", "0", "--no-record"]
+    proc = run_bench(*args, env={**os.environ, "BENCH_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| s3fs get (the download alone) |" in proc.stdout and "| streamck rewrite s3:// -> local |" in proc.stdout
