@@ -1014,6 +1014,7 @@ def case_remote(a: argparse.Namespace, tmp: Path) -> str:
 
         ours = ["rewrite", "-q", url, "--strip-prefix", "model.", "-o"]
         contenders = {
+            "s3fs get (the download alone)": ["sh", "-c", f"{get} {url}/ {dl}/"],
             "s3fs get + local rewrite": ["sh", "-c", f"{get} {url}/ {dl}/ && {rw} {dl} -o {out}"],
             "streamck rewrite s3:// -> local": streamck(*ours, str(out)),
             "s3fs get + rewrite --drop mlp": ["sh", "-c", f"{get} {url}/ {dl}/ && {rw} {dl} -o {out} {' '.join(drop)}"],
@@ -1034,7 +1035,7 @@ def case_remote(a: argparse.Namespace, tmp: Path) -> str:
         f"Checkpoint: {data / 2**30:.2f} GiB in {len(list(src.glob('*.safetensors')))} shards (F32), in a bucket of "
         f"SeaweedFS {_weed_version()} on 127.0.0.1 through a counting proxy (every contender). Output: "
         f"`--strip-prefix model.`. {a.reps} interleaved reps, {a.settle:.0f} s settle.\n\n"
-        + table(runs, "s3fs get + local rewrite", data)
+        + table(runs, "s3fs get (the download alone)", data)
         + "\n\nBytes through the server's port (the proxy's count, last run):\n\n"
         + "\n".join(rows)
     )

@@ -28,31 +28,10 @@ from streamck.source.reader import Reader
 from streamck.source.runs import Tile
 from streamck.source.torchzip import _flatten, _Lazy, _ref, load_archive, storage_starts
 from streamck.storage import UrlPath, location
+from streamck.storage.local import FdSource
+from streamck.storage.window import Window
 
 __all__ = ["METADATA_FILE", "read_distcp"]
-
-
-class _Window:
-    """``length`` bytes of the file open on ``fd`` from ``base``, as a seekable file for zipfile."""
-
-    def __init__(self, fd: int, base: int, length: int):
-        self.fd, self.base, self.length, self.pos = fd, base, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = max(0, (0, self.pos, self.length)[whence] + offset)
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.length - self.pos if n is None or n < 0 else min(n, max(0, self.length - self.pos))
-        data = os.pread(self.fd, n, self.base + self.pos)
-        self.pos += len(data)
-        return data
 
 
 class _Files:
@@ -61,7 +40,7 @@ class _Files:
     def __init__(self, pool: Reader):
         self.pool, self.sizes = pool, {}
 
-    def blob(self, where: Location, what: str) -> _Window | BinaryIO:
+    def blob(self, where: Location, what: str) -> BinaryIO:
         """The blob at ``where`` as a seekable file: a window on a pooled fd, or on a remote
         file read by ranges (a chunk's zip directory and pickle, a few requests)."""
         path = where.path
@@ -88,7 +67,7 @@ class _Files:
             from streamck.storage.remote import open_file
 
             return open_file(src, where.offset, where.length)
-        return _Window(fd, where.offset, where.length)
+        return Window(FdSource(fd, path), where.offset, where.length)
 
 
 def _archive(files: _Files, where: Location, what: str) -> tuple[object, dict[str, tuple[int, int]]]:

@@ -8,6 +8,16 @@ import stat
 from streamck.fileio import read_into
 
 
+class FdSource:
+    """Whole reads at an offset of an fd its owner keeps open (a reader's pool) and closes."""
+
+    def __init__(self, fd: int, path: os.PathLike):
+        self.fd, self.path = fd, path
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        read_into(self.fd, view, offset, os.fspath(self.path))
+
+
 class LocalSource:
     """The file at ``path`` open read-only; OSError (IsADirectoryError for a folder) if it cannot be."""
 

@@ -262,39 +262,11 @@ class RemoteSource:
             self._pool = None
 
 
-class _RemoteRaw(io.RawIOBase):
-    """Bytes ``[base, base + length)`` of a remote file as a raw seekable file, each read one
-    ranged GET; io.BufferedReader in front makes the small reads of a zip directory or a
-    pickle a few requests (open_file)."""
-
-    def __init__(self, source: RemoteSource, base: int, length: int):
-        super().__init__()
-        self.source, self.base, self.length, self.pos = source, base, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = max(0, (0, self.pos, self.length)[whence] + offset)
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")[: max(0, self.length - self.pos)]
-        if len(view):
-            self.source.readinto(view, self.base + self.pos)
-        self.pos += len(view)
-        return len(view)
-
-
 def open_file(source: RemoteSource, base: int = 0, length: int | None = None) -> io.BufferedReader:
     """A seekable binary file on ``source``'s bytes from ``base`` (``length`` of them, else to
     its end), read by ranges through a FILE_BUFFER buffer: for zip directories and pickles,
     never for tensor data. A failed request raises CheckpointError naming the URL."""
+    from streamck.storage.window import Window
+
     length = source.size - base if length is None else length
-    return io.BufferedReader(_RemoteRaw(source, base, length), FILE_BUFFER)
+    return io.BufferedReader(Window(source, base, length), FILE_BUFFER)
