@@ -201,7 +201,7 @@ class Reader:
 
     def _copy_run(self, run: Run, out: int, progress: Callable[[int], None]) -> None:
         if isinstance(run.path, UrlPath):  # ranged requests, a few ahead, each piece written as it comes
-            for data in self.remote(run.path).pieces(run.offset, run.length, self.chunk):
+            for data in self.remote(run.path).pieces(run.offset, run.length):
                 write_all(out, data)
                 progress(len(data))
             return

@@ -23,7 +23,7 @@ from streamck.errors import CheckpointError, StreamckError, UsageError
 
 CONCURRENCY_ENV = "STREAMCK_REMOTE_CONCURRENCY"
 CONCURRENCY = 4  # ranged requests (or part uploads) in flight per file
-PIECE = 16 << 20  # bytes per ranged GET of a long run
+PIECE = 8 << 20  # bytes per ranged GET of a long run (a few in flight, each held twice as it arrives)
 BLOCK = 4 << 20  # a read at least this long is split over the requests in flight
 GAP = 64 << 10  # bytes between two short reads fetched (and dropped) rather than paid a request for
 FILE_BUFFER = 8 << 10  # what one small read of a pickle or zip directory fetches (a DCP blob: its tensor follows)
