@@ -55,12 +55,13 @@ def free_ports(n: int) -> list[int]:
 
 class CountingProxy:
     """Forwards TCP connections on a loopback port to ``target``, counting the bytes each
-    way (``down``: server to client) and the connections made (``connections``); ``rate``
+    way (``down``: server to client), the connections made (``connections``) and the HTTP
+    requests sent (``requests``: request lines seen going up); ``rate``
     (bytes/s per connection, 0: none) slows them, so that a test can stop the server while a
     transfer is under way."""
 
     def __init__(self, target: tuple[str, int]):
-        self.target, self.down, self.up, self.rate, self.connections = target, 0, 0, 0, 0
+        self.target, self.down, self.up, self.rate, self.connections, self.requests = target, 0, 0, 0, 0, 0
         self._lock = threading.Lock()
         self._listener = socket.create_server((HOST, 0))
         self.port = self._listener.getsockname()[1]
@@ -68,7 +69,7 @@ class CountingProxy:
 
     def reset(self) -> None:
         with self._lock:
-            self.down = self.up = self.connections = 0
+            self.down = self.up = self.connections = self.requests = 0
 
     def _accept(self) -> None:
         while True:
@@ -91,6 +92,8 @@ class CountingProxy:
             while data := src.recv(1 << 16):
                 with self._lock:
                     setattr(self, way, getattr(self, way) + len(data))
+                    if way == "up":
+                        self.requests += data.count(b" HTTP/1.1\r\n")
                 if self.rate:
                     time.sleep(len(data) / self.rate)
                 dst.sendall(data)
@@ -231,8 +234,14 @@ def start(home: Path, timeout: float = 60, ports: dict[str, int] | None = None) 
     args += [f"-webdav.cacheDir={home}"]
     log = home / f"weed-{len(list(home.glob('weed*.log')))}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, cwd=home, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                args, cwd=home, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+    except BaseException:
+        shutil.rmtree(sockets, ignore_errors=True)
+        raise
     endpoint = f"http://{HOST}:{ports['s3.port']}"
     server = S3Server(proc, endpoint, CountingProxy((HOST, ports["s3.port"])), home, log, ports, sockets)
     deadline = time.monotonic() + timeout

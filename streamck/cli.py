@@ -252,10 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
-        if getattr(args, "remote_concurrency", None) is not None:
-            from streamck.storage.remote import set_concurrency  # stdlib only: fsspec comes with a URL
+        from streamck.storage.remote import set_concurrency  # stdlib only: fsspec comes with a URL
 
-            set_concurrency(args.remote_concurrency)
+        set_concurrency(getattr(args, "remote_concurrency", None))  # None: the env's, or the default
         # The CLI owns the process: SIGTERM/SIGHUP unwind like Ctrl-C, so outputs are cleaned up.
         with signals_as_exceptions():
             code = COMMANDS[args.command](args)

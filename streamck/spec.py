@@ -20,7 +20,7 @@ from streamck.errors import UsageError
 from streamck.source import Checkpoint, open_checkpoint
 from streamck.source.checkpoint import resolve_step
 from streamck.source.producers import plan_hint
-from streamck.storage import location
+from streamck.storage import is_url, location
 
 if TYPE_CHECKING:
     from streamck.plan import Plan, Rules
@@ -97,6 +97,10 @@ class SourceSpec:
             raise UsageError(f"plan {name!r} opens its own source: pass a path, not a Checkpoint")
         if self.key is not None or self.zero or self.keep_tied:
             raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {name}, which opens its own source")
+        if is_url(self.path):  # listings fsspec kept from an earlier open may miss a new step
+            from streamck.storage.remote import forget
+
+            forget(location(self.path))
         path, picked = resolve_step(location(self.path), self.step) if self.step is not None else (self.path, [])
         extra = {"verifier": self.verifier, "aux_layer_ids": self.aux_layer_ids, "hf_config": self.hf_config}
         plan = BUILTIN_PLANS[name](path, rules, **{k: v for k, v in extra.items() if v is not None})

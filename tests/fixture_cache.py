@@ -65,8 +65,11 @@ def fixture_root(tmp_path_factory, what: str, *code: Path | str) -> Path:
     digest = hashlib.sha256(installed().encode())
     for path in sorted(REPO / p for p in code):
         digest.update(f"\0{path.name}\0".encode() + path.read_bytes())
-    # cold: in this run's temp dir, still once per run (the test files that import one fixture share it)
-    where = Path(tmp_path_factory.getbasetemp()) / "cold-fixtures" if cold() else cache_dir()
+    # cold: in this run's temp dir, still once per run (the test files that import one fixture share it;
+    # an xdist worker's temp dir is one of the run's, so the workers share its parent's)
+    base = Path(tmp_path_factory.getbasetemp())
+    base = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    where = base / "cold-fixtures" if cold() else cache_dir()
     root = where / f"{what}-{digest.hexdigest()[:16]}"
     root.mkdir(parents=True, exist_ok=True)
     return root

@@ -120,11 +120,11 @@ def test_a_bucket_rewrite_is_the_local_rewrite(name, request, tmp_path, server, 
     server.fs().put(f"{root}/", f"{bucket}/ckpt/", recursive=True)
     url = f"s3://{bucket}/ckpt" + ("" if src == root else f"/{src.relative_to(root)}")
     cli("rewrite", src, "-o", tmp_path / "local" / out, *args, "-q", check=0)
-    server.proxy.reset()
-    s3(server, "rewrite", url, "-o", tmp_path / "remote" / out, *args, "-q", counted=True, check=0)
-    assert tree(tmp_path / "remote" / out) == tree(tmp_path / "local" / out)
-    fetched, written = server.proxy.down, size_of(tmp_path / "local" / out)
-    assert fetched < 2 * written + (4 << 20), (fetched, written)  # these are small: see the next test
+    s3(server, "rewrite", url, "-o", tmp_path / "remote" / out, *args, "-q", check=0)
+    written = tree(tmp_path / "local" / out)
+    assert written and tree(tmp_path / "remote" / out) == written
+    # What is fetched is checked where it means something: the next test's save is large enough
+    # that its optimizer state outweighs the pickles and directories read around the model.
 
 
 def test_from_a_model_and_optimizer_save_only_the_model_is_fetched(tmp_path, server, bucket):
@@ -179,3 +179,18 @@ def test_a_lora_merge_from_the_bucket(tmp_path, server, bucket):
     url = f"s3://{bucket}/src"
     s3(server, "rewrite", f"{url}/base", "-o", tmp_path / "remote", "--merge-lora", f"{url}/adapter", "-q", check=0)
     assert tree(tmp_path / "remote") == tree(tmp_path / "local")
+
+
+def test_a_transposed_view_larger_than_a_window_from_the_bucket(tmp_path, server, bucket):
+    """torch.save of a transposed 64 MiB matrix (a strided view, gathered through more than one
+    window): the same bytes as the local rewrite, fetched as joined requests, not one per column."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.save({"w": torch.randn(4096, 4096).t(), "b": torch.randn(7)}, tmp_path / "m.pt")
+    server.fs().put(str(tmp_path / "m.pt"), f"{bucket}/m.pt")
+    cli("rewrite", tmp_path / "m.pt", "-o", tmp_path / "local.safetensors", "-q", check=0)
+    server.proxy.reset()
+    s3(server, "rewrite", f"s3://{bucket}/m.pt", "-o", tmp_path / "remote.safetensors", "-q", counted=True, check=0)
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    assert server.proxy.requests < 200, server.proxy.requests  # one per column would be 16,384

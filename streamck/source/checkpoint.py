@@ -77,7 +77,12 @@ def open_checkpoint(
     unless ``keep_tied``.
     Raises CheckpointError for anything malformed.
     """
-    path, picked = resolve_step(location(path), step)
+    path = location(path)
+    if isinstance(path, UrlPath):  # listings fsspec kept from an earlier open may miss a new step
+        from streamck.storage.remote import forget
+
+        forget(path)
+    path, picked = resolve_step(path, step)
     with paused():
         try:
             ckpt = _index(path, key, zero, keep_tied)

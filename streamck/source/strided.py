@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 from streamck.fileio import read_into
 from streamck.source.header import TensorRef
-from streamck.storage import ByteSource
 
 if TYPE_CHECKING:  # numpy is imported where a view is gathered, not by every rewrite
     import numpy as np
+
+    from streamck.storage.remote import RemoteSource
 
 
 def _itemsize(ref: TensorRef) -> int:
@@ -56,11 +57,11 @@ class _Gatherer:
     numpy copy, else each slice is filled the same way.
     """
 
-    def __init__(self, ref: TensorRef, src: int | ByteSource, limit: int):
+    def __init__(self, ref: TensorRef, src: int | RemoteSource, limit: int):
         import numpy as np
 
         self.ref, self.src, self.item = ref, src, _itemsize(ref)
-        if not isinstance(src, int):  # a remote file's source: whole reads at an offset
+        if not isinstance(src, int):  # a remote file: whole reads at an offset
             self._read = self._read_source
         self.scratch = np.empty(2 * limit, np.dtype(f"<u{self.item}"))  # spans of 2x a box read at once
         self.raw, self.path = memoryview(self.scratch).cast("B"), str(ref.path)
@@ -103,12 +104,17 @@ class _Gatherer:
         per = len(self.scratch) // run
         for first in range(0, shape[d], per):
             n = min(per, shape[d] - first)
-            for i in range(n):
-                self._read(offset + (first + i) * strides[d], run, at=i * run)
+            if isinstance(self.src, int):
+                for i in range(n):
+                    self._read(offset + (first + i) * strides[d], run, at=i * run)
+            else:  # a remote file: the batch's runs as a few joined requests, not one each
+                size, base = run * self.item, self.ref.start + offset * self.item
+                step = strides[d] * self.item
+                self.src.fill([(base + (first + i) * step, self.raw[i * size : (i + 1) * size]) for i in range(n)])
             slices[first : first + n] = self._strided((n, *rest), (run, *rest_strides))
 
 
-def gather(ref: TensorRef, chunk: int, fd: int | ByteSource) -> Iterator[memoryview]:
+def gather(ref: TensorRef, chunk: int, fd: int | RemoteSource) -> Iterator[memoryview]:
     """The bytes of the strided tensor ``ref``, read through ``fd`` (open on its file, or a
     remote file's ByteSource), in
     row-major order, in blocks of at most ``chunk`` bytes (or one element); memory is

@@ -50,7 +50,7 @@ def open_file(path: os.PathLike) -> BinaryIO:
         from streamck.storage.remote import RemoteSource
         from streamck.storage.remote import open_file as remote_file
 
-        return remote_file(RemoteSource.open(path))
+        return remote_file(RemoteSource.open(path), owned=True)
     return open(path, "rb")
 
 

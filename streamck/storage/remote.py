@@ -129,7 +129,16 @@ def entry(url: PurePosixPath) -> dict | None:
     filesystem(url)  # a missing package is said of the URL asked about, not of its folder
     if len(url.parts) <= 2:  # s3:/bucket
         return info(url)
-    return listdir(url.parent).get(url.name)
+    try:
+        return listdir(url.parent).get(url.name)
+    except CheckpointError:  # the folder may not be listable (a public object, a narrow policy): ask the URL
+        return info(url)
+
+
+def forget(url: PurePosixPath) -> None:
+    """Drop what fsspec remembers of ``url``'s listing and its parents' (a run root read again
+    sees the steps a trainer added since)."""
+    filesystem(url).invalidate_cache(url.key)
 
 
 def listdir(url: PurePosixPath, fresh: bool = False) -> dict[str, dict]:
@@ -262,11 +271,12 @@ class RemoteSource:
             self._pool = None
 
 
-def open_file(source: RemoteSource, base: int = 0, length: int | None = None) -> io.BufferedReader:
+def open_file(source: RemoteSource, base: int = 0, length: int | None = None, owned: bool = False) -> io.BufferedReader:
     """A seekable binary file on ``source``'s bytes from ``base`` (``length`` of them, else to
     its end), read by ranges through a FILE_BUFFER buffer: for zip directories and pickles,
-    never for tensor data. A failed request raises CheckpointError naming the URL."""
+    never for tensor data; closing it closes ``source`` when ``owned``. A failed request
+    raises CheckpointError naming the URL."""
     from streamck.storage.window import Window
 
     length = source.size - base if length is None else length
-    return io.BufferedReader(Window(source, base, length), FILE_BUFFER)
+    return io.BufferedReader(Window(source, base, length, owned), FILE_BUFFER)

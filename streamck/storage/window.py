@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from streamck.storage import ByteSource
+
+class _Readable(Protocol):  # streamck.storage.ByteSource's reads (that package imports this module)
+    def readinto(self, view: memoryview, offset: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Window(io.RawIOBase):
@@ -15,9 +18,15 @@ class Window(io.RawIOBase):
     ``source.readinto`` (a pread, or a ranged GET); an io.BufferedReader in front joins the
     small reads of a zip directory or a pickle into a few."""
 
-    def __init__(self, source: ByteSource, base: int, length: int):
+    def __init__(self, source: _Readable, base: int, length: int, owned: bool = False):
         super().__init__()
-        self.source, self.base, self.length, self.pos = source, base, length, 0
+        self.source, self.base, self.length, self.pos, self.owned = source, base, length, 0, owned
+
+    def close(self) -> None:
+        """Close the window, and its source when the window owns it (open_file's)."""
+        if not self.closed and self.owned:
+            self.source.close()
+        super().close()
 
     def readable(self) -> bool:
         return True
