@@ -189,18 +189,26 @@ def megatron_checkpoints(
     return {d.name: d for d in base.iterdir() if d.is_dir()}
 
 
-def titan_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """The runs bench/titan_ckpt.py writes with torchtitan 0.3.0's own CheckpointManager, a folder per
-    model, made once per version of that code and of the installed packages (fixture_cache)."""
-    bench = REPO / "bench"
-    base = fixture_root(tmp_path_factory, "titan", bench / "titan_ckpt.py", bench / "standins.py") / "titan"
+def script_checkpoints(
+    tmp_path_factory, what: str, script: Path, *code: Path, env: dict | None = None
+) -> dict[str, Path]:
+    """The folders ``python SCRIPT DIR`` writes into DIR (the producer's own code, in a child with
+    ``env`` added), by name: made once per version of ``script``, ``code`` and the installed
+    packages, kept on the machine (fixture_cache)."""
+    base = fixture_root(tmp_path_factory, what, script, *code) / what
 
     def build(tmp: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(bench / "titan_ckpt.py"), str(tmp)], env=env,
+        child = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        done = subprocess.run([sys.executable, str(script), str(tmp)], env=child,
                               capture_output=True, text=True, timeout=1200)  # fmt: skip
         if done.returncode:
-            raise RuntimeError(f"torchtitan fixture failed:\n{done.stderr[-6000:]}")
+            raise RuntimeError(f"{script.name} failed:\n{done.stderr[-6000:]}")
 
     built_once(base, build)
     return {d.name: d for d in base.iterdir() if d.is_dir()}
+
+
+def titan_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The runs bench/titan_ckpt.py writes with torchtitan 0.3.0's own CheckpointManager, by model."""
+    bench = REPO / "bench"
+    return script_checkpoints(tmp_path_factory, "titan", bench / "titan_ckpt.py", bench / "standins.py")

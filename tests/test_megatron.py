@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, fixture_root, missing, says_the_plan
+from helpers import cli, fixture_root, missing, says_the_plan, script_checkpoints
 from megatron_args import with_args
 
 torch = pytest.importorskip("torch")
@@ -33,16 +31,9 @@ def megatron(request, tmp_path_factory) -> dict[str, Path]:
     if not (base / "done").exists() and not Path(MEGATRON, "megatron", "core").is_dir():
         missing(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
 
-    def build(tmp: Path) -> None:
-        path = os.pathsep.join([str(BENCH), MEGATRON, os.environ.get("PYTHONPATH", "")])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-        done = subprocess.run([sys.executable, str(BENCH / "megatron_ckpt.py"), str(tmp)], env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"megatron fixture failed:\n{done.stderr[-6000:]}")
-
-    built_once(base, build)
-    return {d.name: d for d in base.iterdir() if d.is_dir()}
+    path = os.pathsep.join([str(BENCH), MEGATRON, os.environ.get("PYTHONPATH", "")])
+    code = (BENCH / "megatron_ckpt.py", BENCH / "standins.py")
+    return script_checkpoints(tmp_path_factory, "megatron", *code, env={"PYTHONPATH": path})
 
 
 def _load(path: Path) -> dict:

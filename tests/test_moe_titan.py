@@ -7,14 +7,11 @@ load-balancing hook moved is refused: to_hf drops it and the model routes differ
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, fixture_root
+from helpers import cli, script_checkpoints
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -26,18 +23,9 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="session")
 def titan_moe(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture folders by case, built once per fixture-script version (cached)."""
-    code = (HERE / "titan_moe_fixtures.py", HERE.parent / "bench" / "standins.py")
-    base = fixture_root(tmp_path_factory, "titan-moe", *code) / "titan-moe"
-
-    def build(tmp: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(HERE / "titan_moe_fixtures.py"), str(tmp)], env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"torchtitan MoE fixture failed:\n{done.stderr[-6000:]}")
-
-    built_once(base, build)
-    return {d.name: d for d in base.iterdir() if d.is_dir()}
+    return script_checkpoints(
+        tmp_path_factory, "titan-moe", HERE / "titan_moe_fixtures.py", HERE.parent / "bench" / "standins.py"
+    )
 
 
 def _rewrite(case: Path, out: Path, *extra: str, plan: str = "torchtitan", check: int = 0):

@@ -8,14 +8,11 @@ saved model (experts in fp32)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import built_once, cli, fixture_root
+from helpers import cli, script_checkpoints
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan==0.3.0 (scripts/test installs it)")
@@ -28,18 +25,8 @@ CASES = ("deepseek_v3", "deepseek_v3_ep2")
 @pytest.fixture(scope="session")
 def dsv3(request, tmp_path_factory) -> dict[str, Path]:
     """The fixture folders by case, built once per fixture-script version (cached)."""
-    code = (HERE / "titan_dsv3_fixtures.py", HERE / "titan_moe_fixtures.py", HERE.parent / "bench" / "standins.py")
-    base = fixture_root(tmp_path_factory, "titan-dsv3", *code) / "titan-dsv3"
-
-    def build(tmp: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(HERE / "titan_dsv3_fixtures.py"), str(tmp)], env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"torchtitan DeepSeek-V3 fixture failed:\n{done.stderr[-6000:]}")
-
-    built_once(base, build)
-    return {d.name: d for d in base.iterdir() if d.is_dir()}
+    code = (HERE / "titan_moe_fixtures.py", HERE.parent / "bench" / "standins.py")
+    return script_checkpoints(tmp_path_factory, "titan-dsv3", HERE / "titan_dsv3_fixtures.py", *code)
 
 
 def _rewrite(case: Path, out: Path, *extra: str, check: int = 0):
