@@ -252,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
-        from streamck.storage.remote import set_concurrency  # stdlib only: fsspec comes with a URL
+        chosen = getattr(args, "remote_concurrency", None)
+        if chosen is not None or "streamck.storage.remote" in sys.modules:  # not imported: nothing to reset
+            from streamck.storage.remote import set_concurrency
 
-        set_concurrency(getattr(args, "remote_concurrency", None))  # None: the env's, or the default
+            set_concurrency(chosen)  # None: the env's, or the default (an earlier call's does not stick)
         # The CLI owns the process: SIGTERM/SIGHUP unwind like Ctrl-C, so outputs are cleaned up.
         with signals_as_exceptions():
             code = COMMANDS[args.command](args)
