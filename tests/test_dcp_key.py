@@ -77,7 +77,7 @@ def test_unknown_key_names_the_groups(dcp_trainers, tmp_path):
 
 def test_torchtitan_groups_name_the_drop_that_leaves_the_weights(tmp_path):
     # torchtitan: model keys at the top, beside optimizer.*, lr_scheduler, train_state, dataloader
-    from streamck.source.dcp import select
+    from streamck.source.dcp.sharded import select
 
     tensors = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight", "optimizer.state.x.exp_avg"]
     others = ["optimizer.param_groups.lr", "lr_scheduler.last_epoch", "train_state.step", "dataloader.rank_0"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from streamck.errors import CheckpointError
-from streamck.source.dcp import read_sharded_safetensors
-from streamck.source.distcp import read_distcp
+from streamck.source.dcp.native import read_distcp
+from streamck.source.dcp.sharded import read_sharded_safetensors
 from streamck.source.runs import tile_runs
 
 ITEM = {"F32": 4, "BF16": 2, "F16": 2, "I16": 2, "I32": 4, "I64": 8}

@@ -169,7 +169,7 @@ PLAN_MODULES = (
     "streamck.plan.hf_export",
     "streamck.plan.megatron.plan",
     "streamck.plan.torchtitan.plan",
-    "streamck.source.distcp",
+    "streamck.source.dcp.native",
 )
 
 
@@ -188,7 +188,7 @@ def test_plans_are_imported_when_asked_for(tmp_path):
         "import sys; import streamck.api; from streamck.cli import main\n"
         f"plans = {PLAN_MODULES!r}\n"
         "def loaded(): return sorted(set(plans) & set(sys.modules))\n"
-        "assert not loaded() and 'streamck.source.zero_files' not in sys.modules, f'import streamck.api: {loaded()}'\n"
+        "assert not loaded() and 'streamck.source.zero.files' not in sys.modules, f'import streamck.api: {loaded()}'\n"
         f"assert main(['ls', {str(ckpt)!r}]) == 0 and not loaded(), f'ls imported {{loaded()}}'\n"
         f"assert main(['rewrite', {str(ckpt)!r}, '-o', {str(tmp_path / 'o')!r}, '--strip-prefix', 'model.']) == 0\n"
         "assert not loaded(), f'a rules rewrite imported {loaded()}'\n"
@@ -217,3 +217,74 @@ def test_no_plan_family_imports_another():
         if family(dep) is not None and family(dep) != family(mod)
     ]
     assert wrong == []
+
+
+# streamck/source: the index and the machinery every format reads through at the top, one
+# package per format family beneath it. torchzip is shared: every torch-format family's files
+# are torch.save archives. Only the modules that tell which format a path holds know the families.
+SOURCE_FAMILIES = {"dcp", "torchzip", "verl", "zero"}
+SOURCE_SHARED_FAMILIES = {"torchzip"}
+SOURCE_DISPATCH = {"checkpoint", "layout", "steps"}
+LONGEST_FUNCTION = 70  # lines: one screen, read in a sitting
+
+
+def _source_family(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "source" else None
+
+
+def test_source_families_are_packages():
+    packages = {p.parent.name for p in (PACKAGE / "source").glob("*/__init__.py")}
+    assert packages == SOURCE_FAMILIES
+    top = {p.stem for p in (PACKAGE / "source").glob("*.py")}
+    assert SOURCE_DISPATCH <= top and not top & SOURCE_FAMILIES
+
+
+def test_no_source_family_imports_another():
+    """A format family reads through the shared machinery (and torch archives through
+    torchzip), never through another family's modules."""
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in imports().items()
+        if _source_family(mod)
+        for dep in deps
+        if _source_family(dep) not in (None, _source_family(mod), *SOURCE_SHARED_FAMILIES)
+    ]
+    assert wrong == []
+
+
+def test_source_machinery_imports_no_family():
+    """The index, readers and shared checks sit beneath the families: only the modules that
+    tell which format a path holds (SOURCE_DISPATCH) import them."""
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in imports().items()
+        if mod.startswith("streamck.source.")
+        and not _source_family(mod)
+        and mod.split(".")[2] not in SOURCE_DISPATCH | SOURCE_FAMILIES
+        for dep in deps
+        if _source_family(dep) and _source_family(dep) not in SOURCE_SHARED_FAMILIES
+    ]
+    assert wrong == []
+
+
+def long_functions(root: Path, limit: int) -> list[str]:
+    """Every function (or method) of the modules under ``root`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_source_functions_fit_on_a_screen():
+    assert long_functions(PACKAGE / "source", LONGEST_FUNCTION) == []
+
+
+def test_the_length_check_finds_a_long_function(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n" + "    x = 1\n" * LONGEST_FUNCTION + "\n\ndef g():\n    pass\n")
+    found = long_functions(tmp_path, LONGEST_FUNCTION)
+    assert len(found) == 1 and " f (71 lines)" in found[0]

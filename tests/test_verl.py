@@ -149,7 +149,7 @@ def test_a_pickle_naming_other_code_is_refused():
     """The rank files' pickles are read under an allow-list: a global outside it is refused, never called."""
     import pickle
 
-    from streamck.source.verl_pickle import _VerlPickle
+    from streamck.source.verl.ranks import _VerlPickle
 
     for evil in (b"cos\nsystem\n(S'true'\ntR.", b"ctorch.distributed.tensor\nDTensor\n(tR."):
         with pytest.raises(pickle.UnpicklingError):

@@ -1,4 +1,4 @@
-"""streamck.source.zero against real DeepSpeed checkpoints and zero_to_fp32's own output.
+"""streamck.source.zero.read against real DeepSpeed checkpoints and zero_to_fp32's own output.
 
 Each entry is assembled here from its tiles alone (numpy, file reads) and compared with
 ``get_fp32_state_dict_from_zero_checkpoint``; frozen params and buffers also with the
@@ -20,7 +20,8 @@ import torch
 import zero_fixtures
 
 from streamck.errors import CheckpointError
-from streamck.source.zero import find_zero, read_zero
+from streamck.source.zero.find import find_zero
+from streamck.source.zero.read import read_zero
 
 CASES = [c["name"] for c in zero_fixtures.cases()]
 NP = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}

@@ -9,14 +9,14 @@ from pathlib import Path
 
 from streamck.errors import CheckpointError, Info, listing
 from streamck.gcpause import paused
-from streamck.source import fsdp, olmo
 from streamck.source.crosscheck import cross_check
+from streamck.source.dcp import fsdp, olmo
 from streamck.source.header import Header, TensorRef, read_header
 from streamck.source.index import Checkpoint, FileStamp, not_empty, tiled
 from streamck.source.layout import Layout, bare_run_root, find_layout
 from streamck.source.steps import pick_step
 from streamck.source.tied import tied_kept, untie, untie_fsdp
-from streamck.source.torchzip import TORCH_SUFFIXES, read_torch_zip
+from streamck.source.torchzip.archive import TORCH_SUFFIXES, read_torch_zip
 from streamck.storage import UrlPath, location, open_file
 
 
@@ -67,7 +67,7 @@ def open_checkpoint(
     In a torch pickle, nested dicts and lists are read with dotted names (``sub.x``,
     ``lst.0``); ``key`` reads only the dict under that top-level key (see read_torch_zip),
     and in a DCP checkpoint only the items under that dotted prefix (``model``,
-    ``app.model``), the prefix taken off (see streamck.source.dcp.select).
+    ``app.model``), the prefix taken off (see streamck.source.dcp.sharded.select).
     DCP checkpoints (sharded safetensors, ``.distcp``), Automodel steps and DeepSpeed
     ZeRO checkpoints (``checkpoint-N/``, ``global_stepN/``) are consolidated on the fly.
     Where a weights file and ZeRO state are both there, the weights are read unless
@@ -141,16 +141,16 @@ def _shard_headers(
 
 def _index_distributed(path: Path, layout: Layout, key: str | None) -> Checkpoint:
     """A DCP checkpoint: each tensor's chunks as tiles; with ``key``, the items under it."""
-    from streamck.source import dcp, distcp
+    from streamck.source.dcp import native, sharded
 
     files = {shard: FileStamp.of(shard) for shard in layout.shards}  # before reading: changes show
     if layout.kind == "fsdp":
         entries, notices = fsdp.read_fsdp(layout.root)
     elif layout.kind == "distcp":
-        entries, notices = distcp.read_distcp(layout.root, key)
+        entries, notices = native.read_distcp(layout.root, key)
         notices += olmo.left_beside(layout.root)
     else:
-        entries, notices = dcp.read_sharded_safetensors(layout.shards, key)
+        entries, notices = sharded.read_sharded_safetensors(layout.shards, key)
     tensors, paths = tiled(entries, layout.root)
     files |= {p: FileStamp.of(p) for p in paths if p not in files}
     cross_check(layout.side_root or layout.root, tensors)
@@ -166,7 +166,7 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
         found = untie(*_index_zero(path, layout.zero or layout.root, layout.side_root or layout.root), keep_tied)
         return not_empty(found, "DeepSpeed ZeRO")
     if layout.kind == "verl":
-        from streamck.source.verl import index_verl
+        from streamck.source.verl.fsdp import index_verl
 
         return index_verl(path, layout.root, select, keep_tied)
     if zero:
@@ -256,7 +256,7 @@ def _index_zero(path: Path, step_dir: Path, side_root: Path) -> tuple[Checkpoint
     """A DeepSpeed ZeRO checkpoint: every parameter's fp32 master weights, its fragments
     (one per rank file) as tiles over its flattened elements, tied aliases under every
     name; and those aliases (alias → the name it ties to)."""
-    from streamck.source.zero import read_zero
+    from streamck.source.zero.read import read_zero
 
     entries, aliases, notices = read_zero(step_dir)
     if step_dir != path and not (path / "latest").exists():  # a step folder chosen for the user

@@ -171,7 +171,7 @@ def _distributed(path: Path) -> Layout | None:
 def _fsdp(path: Path) -> Layout | None:
     """accelerate's SHARDED_STATE_DICT model folder in a Trainer ``checkpoint-N/`` (or given
     itself), read as the model; side files from ``checkpoint-N/``. None when there is none."""
-    from streamck.source.fsdp import model_dir
+    from streamck.source.dcp.fsdp import model_dir
 
     found = model_dir(path)
     if found is None:
@@ -181,7 +181,7 @@ def _fsdp(path: Path) -> Layout | None:
 
 def _olmo(path: Path) -> Layout | None:
     """An OLMo-core step folder: its ``model_and_optim/`` DCP, side files from the step."""
-    from streamck.source.olmo import model_dir
+    from streamck.source.dcp.olmo import model_dir
 
     found = model_dir(path)
     return None if found is None else Layout(found, sorted(found.glob("*.distcp")), kind="distcp", side_root=path)
@@ -284,8 +284,10 @@ def hub_snapshot(path: Path) -> Path:
 def find_layout(path: Path) -> Layout:
     """Find the weights for any supported layout, or say what was looked for."""
     path = hub_snapshot(path)
-    from streamck.source import fsdp, verl, verl_megatron
-    from streamck.source.zero import find_zero, rank_file_error
+    from streamck.source.dcp import fsdp
+    from streamck.source.verl import fsdp as verl
+    from streamck.source.verl import megatron as verl_megatron
+    from streamck.source.zero.find import find_zero, rank_file_error
 
     if path.is_file():
         if path.name in INDEX_NAMES:

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from streamck.errors import CheckpointError
-from streamck.source import olmo
+from streamck.source.dcp import olmo
 
 # The step folders of a training run root, by the trainer that writes them; the group is the
 # step number. (DeepSpeed's global_stepN sits inside Trainer's checkpoint-N: not a run's step.)
@@ -28,7 +28,7 @@ TITAN_STEPS = "checkpoint"
 
 def steps(path: Path) -> dict[int, Path]:
     """The step folders directly in ``path`` (STEP_DIRS), or in its torchtitan ``checkpoint/``, by
-    step; OLMo-core's ``stepN`` only when finished, as OLMo-core counts them (streamck.source.olmo)."""
+    step; OLMo-core's ``stepN`` only when finished, as OLMo-core counts them (streamck.source.dcp.olmo)."""
     found = {}
     for child in path.iterdir():
         m = STEP_DIR.match(child.name)

@@ -15,7 +15,7 @@ from streamck.gcpause import paused
 from streamck.plan import Plan
 from streamck.source.layout import joins_shards
 from streamck.source.reader import CHUNK
-from streamck.source.torchzip import TORCH_SUFFIXES
+from streamck.source.torchzip.archive import TORCH_SUFFIXES
 from streamck.storage import UrlPath, is_url, location
 from streamck.writer.atomic import atomic_output, check_target, refuse_source
 from streamck.writer.clone import Sharing, line_up

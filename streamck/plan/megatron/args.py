@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from streamck.errors import CheckpointError, PlanError
-from streamck.source.distcp import _Files
-from streamck.source.distcp_meta import read_metadata
+from streamck.source.dcp.metadata import read_metadata
+from streamck.source.dcp.native import Files
 from streamck.source.reader import Reader
-from streamck.source.torchzip import _WeightsOnly, load_archive
-from streamck.source.zero_files import _stub
+from streamck.source.torchzip.archive import load_archive
+from streamck.source.torchzip.inert import stub
+from streamck.source.torchzip.unpickle import WeightsOnly
 
 COMMON = "common_state"
 PLAIN = (int, float, str, bool, type(None))
@@ -27,13 +28,13 @@ PLAIN = (int, float, str, bool, type(None))
 STDLIB_ENUMS = {("signal", "Signals"), ("signal", "Handlers")}
 
 
-class _ArgsPickle(_WeightsOnly):
+class _ArgsPickle(WeightsOnly):
     """Tensors and plain data, plus inert stand-ins for the Namespace and Megatron's classes."""
 
     def find_class(self, module: str, name: str):
         megatron = module == "megatron" or module.startswith("megatron.")
         if (module, name) == ("argparse", "Namespace") or megatron or (module, name) in STDLIB_ENUMS:
-            return _stub(module, name)
+            return stub(module, name)
         return super().find_class(module, name)
 
 
@@ -66,7 +67,7 @@ def read_common(step: Path) -> Common:
     if where is None:
         return Common({}, None, [], objects)
     with Reader() as pool:
-        window = _Files(pool).blob(where, COMMON)
+        window = Files(pool).blob(where, COMMON)
         try:
             common, *_ = load_archive(window, where.path, _ArgsPickle)
         except CheckpointError as e:

@@ -4,7 +4,7 @@
 verl saves the actor's GPTModel with megatron-core's ``dist_checkpointing`` (``torch_dist``: the
 model's ``sharded_state_dict`` keys with no prefix, and no Megatron ``args``) when
 ``use_dist_checkpointing`` is on, into ``model/dist_ckpt/`` (the layout:
-streamck.source.verl_megatron). The config is ``model/huggingface/config.json``, written only with
+streamck.source.verl.megatron). The config is ``model/huggingface/config.json``, written only with
 ``hf_model`` in ``save_contents``.
 """
 
@@ -17,7 +17,7 @@ import orjson
 
 from streamck.errors import PlanError
 from streamck.plan.megatron.layout import TRACKER
-from streamck.source.verl_megatron import DIST, HF, MANIFEST, actor_of, left_beside
+from streamck.source.verl.megatron import DIST, HF, MANIFEST, actor_of, left_beside
 
 
 class VerlActor(NamedTuple):

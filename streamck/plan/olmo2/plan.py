@@ -22,7 +22,7 @@ from streamck.plan.contract import compare_keys, load_config, only_casts
 from streamck.plan.olmo2.layout import ARCHITECTURE, FIXED, HEAD, LAYER, MODEL_CONFIG, REQUIRED_MODEL, TOP
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
-from streamck.source.olmo import MODEL_DIR
+from streamck.source.dcp.olmo import MODEL_DIR
 from streamck.source.select import select
 from streamck.storage import location
 

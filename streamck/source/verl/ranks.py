@@ -6,8 +6,8 @@ A DTensor pickles as ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor,
 size, stride, …), (None, {"_local_tensor": <plain tensor>, "_spec": DTensorSpec}))``; the spec
 holds the ``DeviceMesh`` (its dimension names and this rank's coordinate on each), the
 placements (``Shard(dim)``, ``Replicate()``) and ``TensorMeta`` (global shape, stride, dtype).
-Here those classes are stand-ins that record what was pickled (streamck.source.zero_files's
-``_stub``), the rebuild functions never call anything, and the local tensor is a reference into
+Here those classes are stand-ins that record what was pickled (streamck.source.zero.files's
+``stub``), the rebuild functions never call anything, and the local tensor is a reference into
 its storage record, as for any ``.pt`` file.
 """
 
@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from streamck.errors import CheckpointError
-from streamck.source.torchzip import _Lazy, _rebuild_v2, _ref, _WeightsOnly, load_archive, storage_starts
-from streamck.source.zero_files import _Opaque, _stub
+from streamck.source.torchzip.archive import load_archive, storage_starts, tensor_ref
+from streamck.source.torchzip.inert import Opaque, stub
+from streamck.source.torchzip.unpickle import Lazy, WeightsOnly, rebuild_tensor
 from streamck.storage import open_file
 
 # The modules of DTensor's spec and mesh classes (torch 2.4 to 2.13): every class there is
@@ -55,13 +56,13 @@ def _plain(*args):  # torch.device("cpu"), the layout: recorded, never used
 class DTensor(NamedTuple):
     """A pickled DTensor: this rank's local tensor and the spec's stand-in."""
 
-    local: _Lazy
-    spec: _Opaque
+    local: Lazy
+    spec: Opaque
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
     """A DTensor (its local tensor and spec), or a plain tensor that carried Python attributes."""
-    if func is _rebuild_v2 and isinstance(args, tuple):
+    if func is rebuild_tensor and isinstance(args, tuple):
         return func(*args)
     if func is not _WRAPPER or new_type is not _DTENSOR_TYPE:
         raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a tensor or a DTensor")
@@ -69,12 +70,12 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         state = {**(state[0] or {}), **(state[1] or {})}
     local = state.get("_local_tensor") if isinstance(state, dict) else None
     spec = state.get("_spec") if isinstance(state, dict) else None
-    if not isinstance(local, _Lazy) or not isinstance(spec, _Opaque):
+    if not isinstance(local, Lazy) or not isinstance(spec, Opaque):
         raise pickle.UnpicklingError("a DTensor without a local tensor and a spec")
     return DTensor(local, spec)
 
 
-class _VerlPickle(_WeightsOnly):
+class _VerlPickle(WeightsOnly):
     def find_class(self, module: str, name: str):
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
             return _rebuild_from_type_v2
@@ -83,7 +84,7 @@ class _VerlPickle(_WeightsOnly):
         if (module, name) in _DTENSOR:
             return _DTENSOR_TYPE
         if module in _SPEC_MODULES:
-            return _stub(module, name)
+            return stub(module, name)
         if module == "torch" and name == "Size":
             return tuple
         if (module, name) in (("torch", "device"), ("torch.serialization", "_get_layout")):
@@ -116,8 +117,8 @@ def read_rank(path: Path) -> RankState:
         if not isinstance(name, str):
             raise CheckpointError(f"state dict key {name!r:.60} is not a string", path)
         if isinstance(v, DTensor):
-            v = v._replace(local=_ref(name, v.local, starts[v.local.storage.key], path))
-        elif isinstance(v, _Lazy):
-            v = _ref(name, v, starts[v.storage.key], path)
+            v = v._replace(local=tensor_ref(name, v.local, starts[v.local.storage.key], path))
+        elif isinstance(v, Lazy):
+            v = tensor_ref(name, v, starts[v.storage.key], path)
         items[name] = v
     return RankState(path, items)

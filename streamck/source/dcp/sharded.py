@@ -3,7 +3,7 @@
 Two on-disk forms of one sharded state, both read down to ``Tile`` records
 (streamck.source.runs): where each saved chunk's C-contiguous bytes are and which
 block of the full tensor it is. This module reads the first and holds what both share;
-streamck.source.distcp reads the second.
+streamck.source.dcp.native reads the second.
 
 * Sharded safetensors (``HuggingFaceStorageWriter(save_distributed=True)``, NeMo
   Automodel's ``model/`` dirs): one ``shard-SSSSS-model-CCCCC-of-NNNNN.safetensors``
@@ -52,13 +52,13 @@ def _common_dir(paths: list[Path]) -> Path:
     return parents.pop() if len(parents) == 1 else paths[0]
 
 
-def _int_tuple(value: object) -> tuple[int, ...] | None:
+def int_tuple(value: object) -> tuple[int, ...] | None:
     if isinstance(value, (list, tuple)) and all(type(x) is int and x >= 0 for x in value):
         return tuple(value)
     return None
 
 
-def _finish(name: str, dtype: str, shape: tuple[int, ...], tiles: list[Tile], where: Path, extra: str = "") -> Entry:
+def finish(name: str, dtype: str, shape: tuple[int, ...], tiles: list[Tile], where: Path, extra: str = "") -> Entry:
     tiles.sort(key=lambda t: (t.offsets, str(t.path), t.start))
     err = tiling_error(shape, tiles)
     if err is not None:
@@ -119,7 +119,7 @@ def read_sharded_safetensors(paths: list[Path], key: str | None = None) -> tuple
             ref = refs.get(name)
             if ref is None:
                 raise CheckpointError(f"{SHARDING_KEY} names {name!r}, which the file does not hold", path)
-            offsets = _int_tuple(item.get("saved_offsets")) if isinstance(item, dict) else None
+            offsets = int_tuple(item.get("saved_offsets")) if isinstance(item, dict) else None
             if offsets is None:
                 raise CheckpointError(f"tensor {name!r}: saved_offsets {item!r:.80} is not a list of integers", path)
             if len(offsets) != len(ref.shape):
@@ -143,7 +143,7 @@ def read_sharded_safetensors(paths: list[Path], key: str | None = None) -> tuple
                 )
         tiles = [t for _, t in parts]
         shape = tuple(max(o + s for o, s in zip(*dims, strict=True)) for dims in _per_dim(tiles))
-        entries[chosen[name]] = _finish(name, dtype, shape, tiles, where)._replace(name=chosen[name])
+        entries[chosen[name]] = finish(name, dtype, shape, tiles, where)._replace(name=chosen[name])
     return entries, notes
 
 

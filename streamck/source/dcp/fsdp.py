@@ -27,11 +27,6 @@ MODEL_KEY = "model"  # save_fsdp_model's one top-level item
 METADATA = ".metadata"
 # What accelerate writes beside the model, never read: its optimizer state.
 OPTIMIZER = ("optimizer_0", "optimizer.bin")
-# Input embeddings an output head may be tied to (``tie_word_embeddings``), by head.
-TIED_TO = {
-    "lm_head.weight": ("model.embed_tokens.weight", "transformer.wte.weight", "model.decoder.embed_tokens.weight"),
-    "embed_out.weight": ("gpt_neox.embed_in.weight",),
-}
 
 
 def model_dir(path: Path) -> Path | None:
@@ -75,7 +70,7 @@ def rank_files_error(directory: Path) -> CheckpointError | None:
 def read_fsdp(directory: Path) -> tuple[dict, list[str]]:
     """Index the model in a SHARDED_STATE_DICT folder (``pytorch_model_fsdp_<I>/``) by tensor,
     with the names ``save_pretrained`` writes; notices say what was left out beside it."""
-    from streamck.source.distcp import read_distcp
+    from streamck.source.dcp.native import read_distcp
 
     entries, notices = read_distcp(directory, MODEL_KEY)
     return entries, notices + left_beside(directory.parent, directory.name)
@@ -88,26 +83,3 @@ def left_beside(checkpoint: Path, read: str) -> list[str]:
     models = sorted(p.name for p in checkpoint.glob("pytorch_model_fsdp_*") if MODEL_DIR.match(p.name))
     skipped += [f"{n} (another model)" for n in models if n != read]
     return [f"read {read}; left out beside it: {listing(skipped, 4)}"] if skipped else []
-
-
-def head_aliases(tensors: dict) -> dict[str, str]:
-    """Each output head (TIED_TO) with the input embedding of its dtype and shape it may be
-    tied to: an FSDP state dict holds a tied head under both names and records no aliases,
-    so the config decides (tied.untie)."""
-    found = {}
-    for head, inputs in TIED_TO.items():
-        ref = tensors.get(head)
-        same = [n for n in inputs if ref and n in tensors and tensors[n][1:3] == ref[1:3]]  # (dtype, shape)
-        if same:
-            found[head] = same[0]
-    return found
-
-
-def no_config(side: Path) -> list[str]:
-    """A notice when ``side`` holds no config.json, as Trainer leaves SHARDED_STATE_DICT checkpoints."""
-    if (side / "config.json").is_file():
-        return []
-    return [
-        f"no config.json in {side.name}: copy the model's config.json and tokenizer into the output "
-        "for from_pretrained (Trainer saves none with SHARDED_STATE_DICT)"
-    ]

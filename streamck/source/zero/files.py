@@ -1,7 +1,7 @@
 """DeepSpeed rank files read without torch or deepspeed: a restricted unpickler whose
 DeepSpeed objects are inert stand-ins, tensors located as flat runs in their storage
-records, and a cursor that cuts a concatenation of such runs into tiles (streamck.source.zero
-reads the layout they make up)."""
+records, and a cursor that cuts a concatenation of such runs into tiles (streamck.source.zero.read
+reads the layout they make up). The stand-ins are streamck.source.torchzip.inert's."""
 
 from __future__ import annotations
 
@@ -16,37 +16,11 @@ from typing import NamedTuple
 from streamck.dtypes import BITS
 from streamck.errors import CheckpointError
 from streamck.source.runs import Tile
-from streamck.source.torchzip import _data_offset, _Lazy, _rebuild_v2, _WeightsOnly, load_archive
+from streamck.source.torchzip.archive import data_offset, load_archive
+from streamck.source.torchzip.inert import NAMED_TYPES, PLAIN, TYPING, Opaque, is_data_only, stub
+from streamck.source.torchzip.unpickle import Lazy, WeightsOnly, rebuild_tensor
 from streamck.storage import ByteSource, open_file, open_source
 
-
-class _Opaque:
-    """A DeepSpeed object as pickled: its constructor arguments and state; nothing of it runs."""
-
-    def __new__(cls, *args, **kwargs):
-        obj = object.__new__(cls)
-        obj.args, obj.state = args, None
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def __repr__(self):
-        return f"<{type(self).__module__}.{type(self).__name__}{self.args!r}>"
-
-
-def _defaultdict(factory=None, *args):
-    """A defaultdict as pickled: its items, never its factory's calls (``set([...])`` takes an
-    iterable of any length, but ``defaultdict(bytes, ...)`` would call it on a missing key)."""
-    if args:
-        raise pickle.UnpicklingError("defaultdict with arguments beyond its factory")
-    return {}
-
-
-_STUBS: dict[tuple[str, str], type] = {}
 _TENSOR_TYPES = {
     ("torch", "Tensor"),
     ("torch._tensor", "Tensor"),
@@ -55,56 +29,9 @@ _TENSOR_TYPES = {
 }
 
 
-# Plain-data objects a trainer's client state puts into the model-states pickle (Lightning's
-# DeepSpeedStrategy passes its whole checkpoint dict: hyperparameters as ``AttributeDict`` or
-# ``Namespace``, or a Hydra run's OmegaConf config): read as inert stand-ins that hold what
-# was pickled, like DeepSpeed's own.
-DATA_ONLY = {
-    ("argparse", "Namespace"): _Opaque,
-    ("lightning.fabric.utilities.data", "AttributeDict"): dict,
-    ("lightning_fabric.utilities.data", "AttributeDict"): dict,
-    ("lightning.pytorch.utilities.parsing", "AttributeDict"): dict,
-    ("pytorch_lightning.utilities.parsing", "AttributeDict"): dict,
-}
-# Every class of these modules is a config node or its metadata; ``typing.Any`` is a node's type.
-DATA_ONLY_MODULES = ("omegaconf",)
-_TYPING = {("typing", "Any")}
-# Plain types such nodes name as values (an OmegaConf node's ``object_type``), under their
-# Python 2 names too (torch.save pickles with protocol 2): stand-ins, so that no pickle can
-# call them (``bytes(1 << 40)``). ``set``/``frozenset`` hold DeepSpeed's param groups, and a
-# ``defaultdict`` OmegaConf's flags: the real ones, as their items come from this unpickler.
-_NAMED_TYPES = {"dict", "list", "tuple", "int", "float", "str", "bool", "bytes"}
-_PLAIN = {("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("collections", "defaultdict"): _defaultdict}
-
-
-def _is_data_only(module: str, name: str) -> bool:
-    return (module, name) in DATA_ONLY or module.split(".", 1)[0] in DATA_ONLY_MODULES
-
-
-def _stub(module: str, name: str) -> type:
-    cls = _STUBS.get((module, name))
-    if cls is None:
-        base = DATA_ONLY.get((module, name), _Opaque)
-        attrs = {"__module__": module, "__qualname__": name, "data_only": _is_data_only(module, name)}
-        cls = _STUBS[(module, name)] = type(name, (base,), attrs)
-    return cls
-
-
-def data_only(obj: object, depth: int = 6) -> set[str]:
-    """The plain-data stand-ins (DATA_ONLY) anywhere in ``obj``, by dotted class name."""
-    found = set()
-    if getattr(type(obj), "data_only", False):
-        found.add(f"{type(obj).__module__}.{type(obj).__name__}")
-    if depth:
-        kids = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-        for kid in kids:
-            found |= data_only(kid, depth - 1)
-    return found
-
-
 def _rebuild_from_type_v2(func, new_type, args, state):
     """A tensor with Python attributes (ZeRO-3's ``ds_id``…): the tensor, attributes dropped."""
-    if func is not _rebuild_v2 or not isinstance(args, tuple):
+    if func is not rebuild_tensor or not isinstance(args, tuple):
         raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a tensor")
     return func(*args)
 
@@ -115,12 +42,12 @@ def _codecs_encode(text, encoding="latin1"):
     return text.encode("latin1")
 
 
-class _ZeroPickle(_WeightsOnly):
+class _ZeroPickle(WeightsOnly):
     def find_class(self, module: str, name: str):
-        if module == "deepspeed" or module.startswith("deepspeed.") or _is_data_only(module, name):
-            return _stub(module, name)
-        if (module, name) in _TYPING:
-            return _stub(module, name)
+        if module == "deepspeed" or module.startswith("deepspeed.") or is_data_only(module, name):
+            return stub(module, name)
+        if (module, name) in TYPING:
+            return stub(module, name)
         if module == "torch" and name == "Size":
             return tuple
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
@@ -131,10 +58,10 @@ class _ZeroPickle(_WeightsOnly):
             return _codecs_encode
         module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        if (module, name) in _PLAIN:
-            return _PLAIN[module, name]
-        if module == "builtins" and name in _NAMED_TYPES:
-            return _stub(module, name)
+        if (module, name) in PLAIN:
+            return PLAIN[module, name]
+        if module == "builtins" and name in NAMED_TYPES:
+            return stub(module, name)
         return super().find_class(module, name)
 
 
@@ -163,7 +90,7 @@ class RankFile:
                     if info is None:
                         raise CheckpointError(f"storage record data/{key} is missing", path)
                     if info.compress_type == zipfile.ZIP_STORED:
-                        self.records[key] = (_data_offset(f, info, path), info.file_size)
+                        self.records[key] = (data_offset(f, info, path), info.file_size)
         except OSError as e:
             raise CheckpointError(f"cannot read: {e.strerror}", path) from None
         if not isinstance(self.obj, dict):
@@ -171,7 +98,7 @@ class RankFile:
 
     def flat(self, t: object, what: str) -> Flat:
         """``t`` as a contiguous run in this file (checked against its storage record)."""
-        if not isinstance(t, _Lazy):
+        if not isinstance(t, Lazy):
             raise CheckpointError(f"{what} is a {type(t).__name__}, not a tensor", self.path)
         item = BITS.get(t.dtype, 0) // 8
         if not item or not all(type(x) is int and x >= 0 for x in (t.offset, *t.size, *t.stride)):
@@ -207,7 +134,7 @@ def save_stamp(rf: RankFile) -> dict[str, object]:
             stamp["ds_version"] = osd["ds_version"]
         values = list(_find_key(osd, "step", 6))
         steps = {v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        tensors = [v for v in values if isinstance(v, _Lazy) and v.dtype in _SCALAR and math.prod(v.size) == 1]
+        tensors = [v for v in values if isinstance(v, Lazy) and v.dtype in _SCALAR and math.prod(v.size) == 1]
         if tensors:  # torch's AdamW keeps its step as a one-element tensor per param group
             src = open_source(rf.path)
             try:
@@ -241,7 +168,7 @@ def _read_scalar(src: ByteSource, f: Flat) -> int | float:
 
 
 def shape_of(v: object, what: str, path: Path) -> tuple[int, ...]:
-    if isinstance(v, _Opaque):  # never expected: torch.Size is read as a tuple
+    if isinstance(v, Opaque):  # never expected: torch.Size is read as a tuple
         raise CheckpointError(f"{what}: shape is a {type(v).__name__}", path)
     if not isinstance(v, (tuple, list)) or not all(type(d) is int and d >= 0 for d in v):
         raise CheckpointError(f"{what}: bad shape {v!r:.60}", path)
@@ -249,7 +176,7 @@ def shape_of(v: object, what: str, path: Path) -> tuple[int, ...]:
 
 
 def stage_of(v: object) -> object:
-    if isinstance(v, _Opaque) and len(v.args) == 1:
+    if isinstance(v, Opaque) and len(v.args) == 1:
         return v.args[0]
     return v
 

@@ -1,6 +1,6 @@
 """Native torch.distributed.checkpoint (``dcp.save`` + ``FileSystemWriter``), without torch.
 
-``.metadata`` (streamck.source.distcp_meta) names, for each chunk, a ``(file, offset,
+``.metadata`` (streamck.source.dcp.metadata) names, for each chunk, a ``(file, offset,
 length)`` range of a ``__R_I.distcp`` file that is a whole ``torch.save`` archive of that
 chunk; a file may hold several chunks of one tensor (torchrec's ``LocalShardsWrapper``,
 megatron-core). A chunk saved as a strided view (a ``channels_last`` conv weight, a
@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 from streamck.errors import CheckpointError, listing
-from streamck.source.dcp import Entry, _finish, select
-from streamck.source.distcp_meta import METADATA_FILE, Chunk, Location, Saved, read_metadata
+from streamck.source.dcp.metadata import METADATA_FILE, Chunk, Location, Saved, read_metadata
+from streamck.source.dcp.sharded import Entry, finish, select
 from streamck.source.header import TensorRef
 from streamck.source.reader import Reader
 from streamck.source.runs import Tile
-from streamck.source.torchzip import _flatten, _Lazy, _ref, load_archive, storage_starts
+from streamck.source.torchzip.archive import flatten, load_archive, storage_starts, tensor_ref
+from streamck.source.torchzip.unpickle import Lazy
 from streamck.storage import UrlPath, location
 from streamck.storage.local import FdSource
 from streamck.storage.window import Window
@@ -34,7 +35,7 @@ from streamck.storage.window import Window
 __all__ = ["METADATA_FILE", "read_distcp"]
 
 
-class _Files:
+class Files:
     """The checkpoint's files through a Reader's bounded fd pool, each size taken once."""
 
     def __init__(self, pool: Reader):
@@ -70,7 +71,7 @@ class _Files:
         return Window(FdSource(fd, path), where.offset, where.length)
 
 
-def _archive(files: _Files, where: Location, what: str) -> tuple[object, dict[str, tuple[int, int]]]:
+def _archive(files: Files, where: Location, what: str) -> tuple[object, dict[str, tuple[int, int]]]:
     """A blob's unpickled object and its storages' (absolute data start, size)."""
     window = files.blob(where, what)
     try:
@@ -83,11 +84,11 @@ def _archive(files: _Files, where: Location, what: str) -> tuple[object, dict[st
     return obj, {k: (where.offset + start, size) for k, (start, size) in starts.items()}
 
 
-def _chunk_ref(files: _Files, name: str, dtype: str, chunk: Chunk) -> TensorRef:
+def _chunk_ref(files: Files, name: str, dtype: str, chunk: Chunk) -> TensorRef:
     """The chunk's tensor in its blob: contiguous, or a strided view to gather."""
     what = f"tensor {name!r} chunk at {list(chunk.offsets)}"
     obj, starts = _archive(files, chunk.where, what)
-    if not isinstance(obj, _Lazy):
+    if not isinstance(obj, Lazy):
         raise CheckpointError(f"{what}: blob holds a {type(obj).__name__}, not a tensor", chunk.where.path)
     if obj.dtype != dtype:
         raise CheckpointError(f"{what}: blob holds {obj.dtype}, .metadata says {dtype}", chunk.where.path)
@@ -96,12 +97,12 @@ def _chunk_ref(files: _Files, name: str, dtype: str, chunk: Chunk) -> TensorRef:
             f"{what}: blob holds shape {list(obj.size)}, .metadata says {list(chunk.sizes)}", chunk.where.path
         )
     try:
-        return _ref(name, obj, starts[obj.storage.key], chunk.where.path)
+        return tensor_ref(name, obj, starts[obj.storage.key], chunk.where.path)
     except CheckpointError as e:  # "tensor 'x': view runs past…", said of this chunk
         raise CheckpointError(f"{what}: {e.message.removeprefix(f'tensor {name!r}: ')}", chunk.where.path) from None
 
 
-def _entry(files: _Files, name: str, dtype: str, shape: tuple[int, ...], chunks: list[Chunk], md: Path) -> Entry:
+def _entry(files: Files, name: str, dtype: str, shape: tuple[int, ...], chunks: list[Chunk], md: Path) -> Entry:
     refs = [(c, _chunk_ref(files, name, dtype, c)) for c in chunks]
     strided = [(c, r) for c, r in refs if r.strides is not None]
     if strided and len(refs) == 1 and refs[0][0].sizes == shape:  # the whole tensor, a strided view
@@ -114,7 +115,7 @@ def _entry(files: _Files, name: str, dtype: str, shape: tuple[int, ...], chunks:
             "among several chunks; streamck gathers a strided chunk only when it is the whole tensor",
             r.path,
         )
-    return _finish(name, dtype, shape, [Tile(r.path, r.start, c.offsets, c.sizes) for c, r in refs], md)
+    return finish(name, dtype, shape, [Tile(r.path, r.start, c.offsets, c.sizes) for c, r in refs], md)
 
 
 def _disjoint(saved: Saved) -> None:
@@ -143,7 +144,7 @@ def _why(name: str, refusal: str) -> str:
     return f"{name!r}: {refusal}"
 
 
-def _objects(files: _Files, saved: Saved) -> tuple[list[Entry], list[str], list[str]]:
+def _objects(files: Files, saved: Saved) -> tuple[list[Entry], list[str], list[str]]:
     """The non-tensor items: under flatten_state_dict=False, the tensors of the ones that
     are pickled dicts (read like a .pt file's); the names of the rest, and why none were read."""
     entries, skipped, why = [], [], []
@@ -157,12 +158,12 @@ def _objects(files: _Files, saved: Saved) -> tuple[list[Entry], list[str], list[
             skipped.append(name)
             why.append(_why(name, e.message))
             continue
-        leaves = _flatten({name: obj}, loc.path) if isinstance(obj, dict | list | tuple) else {name: obj}
+        leaves = flatten({name: obj}, loc.path) if isinstance(obj, dict | list | tuple) else {name: obj}
         for leaf, value in leaves.items():
-            if not isinstance(value, _Lazy):
+            if not isinstance(value, Lazy):
                 skipped.append(leaf)
                 continue
-            ref = _ref(leaf, value, starts[value.storage.key], loc.path)
+            ref = tensor_ref(leaf, value, starts[value.storage.key], loc.path)
             tiles = (Tile(ref.path, ref.start, (0,) * len(ref.shape), ref.shape),) if ref.numel else ()
             entries.append(Entry(leaf, ref.dtype, ref.shape, tiles, ref.strides))
     return entries, skipped, why
@@ -172,7 +173,7 @@ def read_distcp(directory: Path, key: str | None = None) -> tuple[dict[str, Entr
     """Index a native DCP checkpoint directory (``.metadata`` or per-rank ``__R.metadata``,
     and ``*.distcp``) by tensor.
 
-    ``key`` reads the items under that prefix alone (see streamck.source.dcp.select).
+    ``key`` reads the items under that prefix alone (see streamck.source.dcp.sharded.select).
     Returns the entries in save-plan order and the notices: the top-level groups, one
     line per group of skipped non-tensor items, and, when no item is a tensor, why.
     """
@@ -180,7 +181,7 @@ def read_distcp(directory: Path, key: str | None = None) -> tuple[dict[str, Entr
     saved = read_metadata(directory)
     _disjoint(saved)
     with Reader() as pool:
-        files = _Files(pool)
+        files = Files(pool)
         found, skipped, why = _objects(files, saved)
         nested = {e.name: e for e in found}
         clash = next((n for n in nested if n in saved.tensors), None)

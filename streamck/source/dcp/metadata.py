@@ -16,8 +16,9 @@ from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 from streamck.errors import CheckpointError
-from streamck.source.dcp import _int_tuple
-from streamck.source.torchzip import MAX_PICKLE, TORCH_DTYPES
+from streamck.source.dcp.sharded import int_tuple
+from streamck.source.torchzip.archive import MAX_PICKLE
+from streamck.source.torchzip.unpickle import TORCH_DTYPES
 from streamck.storage import open_file
 
 METADATA_FILE = ".metadata"
@@ -81,7 +82,7 @@ class _TorchDtype(NamedTuple):
 
 def _size(*args):
     seq = args[0] if args else ()
-    value = _int_tuple(seq)
+    value = int_tuple(seq)
     if value is None or len(args) > 1:
         raise pickle.UnpicklingError(f"torch.Size of {seq!r:.60}")
     return value
@@ -206,7 +207,7 @@ def _storage_map(md: _Metadata, directory: Path, md_path: Path) -> dict[tuple[st
         start, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (type(start) is int and type(length) is int and start >= 0 and length >= 0):
             raise CheckpointError(f"{fqn!r}: storage record range {start!r}, {length!r}", md_path)
-        key = (fqn, None if offset is None else _int_tuple(offset))
+        key = (fqn, None if offset is None else int_tuple(offset))
         if key in out:
             raise CheckpointError(f"{fqn!r}: two storage records for the chunk at {offset}", md_path)
         rel = _relative(getattr(info, "relative_path", None), directory, md_path)
@@ -266,7 +267,7 @@ def _add_tensor(tensors: dict[str, TensorItem], name: str, meta: _TensorStorage,
     if dtype is None:
         shown = f"torch.{raw.name}" if isinstance(raw, _TorchDtype) else repr(raw)
         raise CheckpointError(f"tensor {name!r}: unknown or unsupported dtype {shown}", md_path)
-    shape = _int_tuple(getattr(meta, "size", None))
+    shape = int_tuple(getattr(meta, "size", None))
     chunks = getattr(meta, "chunks", None)
     if shape is None or not isinstance(chunks, list) or not all(isinstance(c, _Chunk) for c in chunks):
         raise CheckpointError(f"tensor {name!r}: malformed size or chunk list", md_path)
@@ -279,7 +280,7 @@ def _add_tensor(tensors: dict[str, TensorItem], name: str, meta: _TensorStorage,
         )
     have = {c.offsets: c.sizes for c in item.chunks}
     for c in chunks:
-        offsets, sizes = _int_tuple(getattr(c, "offsets", None)), _int_tuple(getattr(c, "sizes", None))
+        offsets, sizes = int_tuple(getattr(c, "offsets", None)), int_tuple(getattr(c, "sizes", None))
         if offsets is None or sizes is None or len(offsets) != len(sizes):
             raise CheckpointError(f"tensor {name!r}: chunk with offsets/sizes {offsets}/{sizes}", md_path)
         if have.get(offsets) == sizes:

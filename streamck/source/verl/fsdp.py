@@ -1,7 +1,7 @@
 """verl FSDP actor checkpoints (verl 0.9.1's ``FSDPCheckpointManager``), consolidated on the fly.
 
 ``global_step_N/actor/`` holds one ``model_world_size_W_rank_R.pt`` per rank (DTensors pickled
-whole: streamck.source.verl_pickle), ``optim_…`` and ``extra_state_…`` per rank,
+whole: streamck.source.verl.ranks), ``optim_…`` and ``extra_state_…`` per rank,
 ``fsdp_config.json`` (``{"FSDP_version": 1|2, "world_size": W}``) and ``huggingface/`` (config,
 tokenizer). Beside the actor, the trainer writes ``global_step_N/data.pt`` (the dataloader) and,
 in the run root, ``latest_checkpointed_iteration.txt``.
@@ -24,8 +24,8 @@ import orjson
 
 from streamck.errors import CheckpointError, Info, listing
 from streamck.source.runs import Tile, tiling_error
-from streamck.source.torchzip import TORCH_DTYPES
-from streamck.source.verl_pickle import DTensor, RankState, read_rank
+from streamck.source.torchzip.unpickle import TORCH_DTYPES
+from streamck.source.verl.ranks import DTensor, RankState, read_rank
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 CONFIG = "fsdp_config.json"
