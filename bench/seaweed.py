@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,10 +59,12 @@ class CountingProxy:
     way (``down``: server to client), the connections made (``connections``) and the HTTP
     requests sent (``requests``: request lines seen going up); ``rate``
     (bytes/s per connection, 0: none) slows them, so that a test can stop the server while a
-    transfer is under way."""
+    transfer is under way; ``cut_at`` (bytes down, 0: never) resets the connection carrying
+    that byte, once, as a network fault does in the middle of a response."""
 
     def __init__(self, target: tuple[str, int]):
         self.target, self.down, self.up, self.rate, self.connections, self.requests = target, 0, 0, 0, 0, 0
+        self.cut_at = 0
         self._lock = threading.Lock()
         self._listener = socket.create_server((HOST, 0))
         self.port = self._listener.getsockname()[1]
@@ -94,6 +97,16 @@ class CountingProxy:
                     setattr(self, way, getattr(self, way) + len(data))
                     if way == "up":
                         self.requests += data.count(b" HTTP/1.1\r\n")
+                    cut = way == "down" and 0 < self.cut_at <= self.down
+                    if cut:
+                        self.cut_at = 0
+                if cut:
+                    # a reset, mid-response: shut down first, as the other pump is blocked reading
+                    # this socket (a close alone would wait for it, and the client for a timeout)
+                    dst.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    dst.shutdown(socket.SHUT_RDWR)
+                    dst.close()
+                    return
                 if self.rate:
                     time.sleep(len(data) / self.rate)
                 dst.sendall(data)

@@ -10,6 +10,7 @@ fsspec's other filesystems have no upload that stays invisible until completed.
 
 from __future__ import annotations
 
+import io
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -44,7 +45,8 @@ class Upload:
         self.fs = filesystem(url)
         self.bucket, _, self.key = url.key.partition("/")
         self.size = 0
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # the part being filled, allocated whole
+        self._filled = 0
         self._id: str | None = None
         self._parts: list[Future] = []
         self._pending: deque[Future] = deque()
@@ -57,19 +59,36 @@ class Upload:
 
     def write(self, data: bytes | memoryview) -> None:
         """Take ``data``; each full part goes up (a few at once, the oldest waited for beyond that)."""
-        self._buffer += data
-        self.size += len(data)
-        while len(self._buffer) >= self.part:
-            body = bytes(self._buffer[: self.part])
-            del self._buffer[: self.part]
-            self._send(body)
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        while view:
+            if not self._buffer:
+                self._buffer, self._filled = bytearray(self.part), 0  # exactly a part: no growth, no slack
+            take = min(len(view), self.part - self._filled)
+            self._buffer[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.part:
+                self._send(self._rest())
 
-    def _send(self, body: bytes) -> None:
+    def _rest(self) -> bytearray:
+        """The part being filled, cut to what it holds, and a fresh start."""
+        body, self._buffer = self._buffer, bytearray()
+        del body[self._filled :]
+        self._filled = 0
+        return body
+
+    def _send(self, body: bytearray) -> None:
         if self._id is None:
             self._id = self._call("create_multipart_upload")["UploadId"]
             self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix="streamck-put")
         number = len(self._parts) + 1
-        future = self._pool.submit(self._call, "upload_part", UploadId=self._id, PartNumber=number, Body=body)
+        # A stream, not bytes: the request then sends it a block at a time, where bytes go to
+        # asyncio's transport in one write, which keeps a copy of what the socket did not take
+        # at once (most of a part, for each part in flight: 175 MiB peak s3 -> s3, 154 so).
+        stream = io.BytesIO(body)
+        del body
+        future = self._pool.submit(self._call, "upload_part", UploadId=self._id, PartNumber=number, Body=stream)
         self._parts.append(future)
         self._pending.append(future)
         while len(self._pending) >= self._ahead:
@@ -79,8 +98,7 @@ class Upload:
         """Send what is left and wait for every part: all is up but not yet visible."""
         if self._id is not None:
             if self._buffer:
-                self._send(bytes(self._buffer))
-                self._buffer = bytearray()
+                self._send(self._rest())
             for future in self._parts:
                 future.result()
 
@@ -88,7 +106,7 @@ class Upload:
         """Make the object appear under its key, whole."""
         self.finish()
         if self._id is None:  # smaller than a part: one put, as atomic
-            self._call("put_object", Body=bytes(self._buffer))
+            self._call("put_object", Body=self._rest())
         else:
             parts = [{"PartNumber": i, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts, 1)]
             self._call("complete_multipart_upload", UploadId=self._id, MultipartUpload={"Parts": parts})
@@ -111,7 +129,7 @@ class Upload:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        self._id, self._buffer = None, bytearray()
+        self._id, self._buffer, self._filled = None, bytearray(), 0
 
 
 def delete(url: UrlPath) -> None:
