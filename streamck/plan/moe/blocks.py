@@ -15,8 +15,8 @@ from streamck.plan.moe.layout import DOWN, GATE_UP
 
 T = TypeVar("T")
 
-_FUSED = re.compile(rf"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<kind>{GATE_UP}|{DOWN})$")
-_PER_EXPERT = re.compile(r"^(?P<block>(?:.*\.)?[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
+_EXPERTS = ".experts"
+_WEIGHT = ".weight"
 
 
 @dataclass
@@ -35,17 +35,36 @@ class Block:
 
 
 def find_blocks(names: Iterable[str]) -> dict[str, Block]:
-    """Every block holding experts, fused or per-expert, by block name, in name order."""
+    """Every block holding experts, fused or per-expert, by block name, in name order: fused
+    ``<block>.experts.<gate_up|down>``, per-expert ``<block>.experts.<E>.<proj>.weight``.
+    Names are cut from the right by ``rsplit`` (two regex matches a name were 0.15 s of a
+    92k-tensor copy, #44)."""
     blocks: dict[str, Block] = {}
     for name in sorted(names):
-        m = _FUSED.match(name)
-        if m:
-            _block(blocks, m["block"]).fused[m["kind"]] = name
+        if _EXPERTS not in name:
             continue
-        m = _PER_EXPERT.match(name)
-        if m:
-            _block(blocks, m["block"]).experts[m["proj"]][int(m["e"])] = name
+        stem, _, kind = name.rpartition(".")
+        if kind in (GATE_UP, DOWN):
+            block = _block_of(stem)
+            if block:
+                _block(blocks, block).fused[kind] = name
+            continue
+        if kind != _WEIGHT[1:]:
+            continue
+        parts = stem.rsplit(".", 2)
+        if len(parts) == 3 and parts[1].isdecimal() and parts[2]:
+            block = _block_of(parts[0])
+            if block:
+                _block(blocks, block).experts[parts[2]][int(parts[1])] = name
     return blocks
+
+
+def _block_of(stem: str) -> str | None:
+    """The block of ``<block>.experts`` (a non-empty last component), else None."""
+    if not stem.endswith(_EXPERTS):
+        return None
+    block = stem[: -len(_EXPERTS)]
+    return block if block and not block.endswith(".") else None
 
 
 def _block(blocks: dict[str, Block], name: str) -> Block:
