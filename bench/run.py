@@ -336,6 +336,7 @@ def case_index(a: argparse.Namespace, tmp: Path) -> str:
 
 START = "start-up (streamck --version)"
 CP = "cp -r + sync"
+FLOOR = "floor: Python strip"  # bench/copy_floor.py: the least a Python tool does per tensor
 # The count case's commands on a checkpoint SRC (output OUT): each a child, as a user runs it.
 COUNT_COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
     "ls": lambda src, out: streamck("ls", str(src)),
@@ -344,6 +345,7 @@ COUNT_COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
     "--dry-run": lambda src, out: streamck("rewrite", str(src), "-o", str(out), "--dry-run"),
     "hash": lambda src, out: streamck("hash", str(src)),
     CP: lambda src, out: cp_fsync(src)(out),
+    FLOOR: lambda src, out: [PY, str(HERE / "copy_floor.py"), str(src), str(out), "model."],
 }
 REFERENCE = 9417  # issue #44's small end: 8 layers of DeepSeek-V3
 
@@ -368,7 +370,7 @@ def _count_tables(results: dict[int, dict[str, Runs]]) -> str:
 
     def off(n: int, label: str) -> Runs | None:
         """What a streamck command's figures are taken from: its start-up's; None for cp."""
-        return None if label == CP else results[n][START]
+        return None if label in (CP, FLOOR) else results[n][START]
 
     def per(n: int, label: str, cpu: bool = True) -> float:
         run, base = results[n][label], off(n, label)
