@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from streamck.gcpause import paused
 from streamck.manifest import build_manifest
 from streamck.source import Checkpoint
 from streamck.source.header import TensorRef
@@ -110,7 +111,8 @@ def _remote_digest(path: UrlPath, piece: int = 16 << 20) -> tuple[str, int]:
 def hash_manifest(checkpoint: Checkpoint) -> dict[str, Any]:
     """The checkpoint's manifest with a ``sha256`` field in every tensor entry, and its
     files' digests under ``files`` (file_digests)."""
-    digests = tensor_digests(checkpoint)
-    rows = ((t.name, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors.values())
-    manifest = build_manifest(rows, checkpoint.metadata, {n: {ALGORITHM: d} for n, d in digests.items()})
+    with paused():  # a digest and a few dicts per tensor (see streamck.gcpause)
+        digests = tensor_digests(checkpoint)
+        rows = ((t.name, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors.values())
+        manifest = build_manifest(rows, checkpoint.metadata, {n: {ALGORITHM: d} for n, d in digests.items()})
     return {**manifest, "files": file_digests(checkpoint)}
