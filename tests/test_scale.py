@@ -184,17 +184,10 @@ def test_rules_are_sorted_out_once_not_walked_per_tensor(tmp_path):
     assert all(not t.name.startswith("model.") for t in plan.tensors)
 
 
-def test_no_collector_pass_while_a_run_builds_its_tensors(tmp_path):
-    """Indexing, planning and laying out make a few objects per tensor and no cycles; the
-    collector's passes over them were a fifth of a 92k-tensor --strip-prefix. Counted: the
-    collections while a 2,000-tensor plan is built and written (were 16, growing with it)."""
+def _collections(run):
+    """What ``run()`` returns, and the generation of each collection made while it ran."""
     import gc
 
-    from streamck.api import build_plan
-
-    warm = _moe(tmp_path / "warm", 1)
-    write_plan(build_plan(warm, rules=[{"strip_prefix": "model."}]), tmp_path / "warm-out")  # imports done
-    src = _moe(tmp_path / "src", 40)
     runs: list[int] = []
 
     def count(phase: str, info: dict) -> None:
@@ -203,10 +196,28 @@ def test_no_collector_pass_while_a_run_builds_its_tensors(tmp_path):
 
     gc.callbacks.append(count)
     try:
-        plan = build_plan(src, rules=[{"strip_prefix": "model."}])
-        write_plan(plan, tmp_path / "out")
+        return run(), runs
     finally:
         gc.callbacks.remove(count)
+
+
+def test_no_collector_pass_while_a_run_builds_its_tensors(tmp_path):
+    """Indexing, planning and laying out make a few objects per tensor and no cycles; the
+    collector's passes over them were a fifth of a 92k-tensor --strip-prefix. Counted: the
+    collections while a 2,000-tensor plan is built and written (were 16, growing with it)."""
+
+    from streamck.api import build_plan
+
+    warm = _moe(tmp_path / "warm", 1)
+    write_plan(build_plan(warm, rules=[{"strip_prefix": "model."}]), tmp_path / "warm-out")  # imports done
+    src = _moe(tmp_path / "src", 40)
+
+    def run():
+        plan = build_plan(src, rules=[{"strip_prefix": "model."}])
+        write_plan(plan, tmp_path / "out")
+        return plan
+
+    plan, runs = _collections(run)
     assert len(plan.tensors) == 2001
     assert len(runs) <= 4, runs
 
@@ -239,24 +250,13 @@ def test_no_collector_pass_while_hash_builds_its_manifest(tmp_path):
     """``hash`` made a digest and a few dicts per tensor with the collector on: its time per
     tensor at 140k was 1.7x that at 9.4k (each pass over everything made so far). Counted:
     the collections while a 3,000-tensor checkpoint is hashed, before its files' digests."""
-    import gc
 
     from streamck.check.digest import hash_manifest
 
     src, _ = _many(tmp_path)
     hash_manifest(open_checkpoint(save(tmp_path / "warm.safetensors", {"a": np.ones(2, np.float32)})))  # imports
     checkpoint = open_checkpoint(src)
-    runs: list[int] = []
-
-    def count(phase: str, info: dict) -> None:
-        if phase == "start":
-            runs.append(info["generation"])
-
-    gc.callbacks.append(count)
-    try:
-        manifest = hash_manifest(checkpoint)
-    finally:
-        gc.callbacks.remove(count)
+    manifest, runs = _collections(lambda: hash_manifest(checkpoint))
     assert runs == [] and len(manifest["tensors"]) == 3000, runs
 
 
