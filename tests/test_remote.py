@@ -212,6 +212,25 @@ def test_a_connection_reset_mid_response_is_retried(tmp_path, server, bucket):
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
 
 
+def test_a_part_is_sent_whole_whatever_its_stream_position(server, bucket):
+    """A part goes up as a stream (streamck.storage.upload.Part). botocore rewinds it between
+    its own attempts only; s3fs retries a failed call with the same arguments, the stream where
+    the failed request left it. Here a call starts with the stream half read, as such a retry
+    does: the part must go up whole (without the rewind, 3 of its 6 MiB did)."""
+    from streamck.storage.upload import Part, rewinding
+
+    fs = server.fs()
+    uid = fs.call_s3("create_multipart_upload", Bucket=bucket, Key="k")["UploadId"]
+    rewinding(fs, bucket)
+    data = bytes(range(256)) * (6 << 12)  # 6 MiB: one part
+    body = Part(data)
+    body.seek(3 << 20)
+    etag = fs.call_s3("upload_part", Bucket=bucket, Key="k", UploadId=uid, PartNumber=1, Body=body)["ETag"]
+    parts = {"Parts": [{"PartNumber": 1, "ETag": etag}]}
+    fs.call_s3("complete_multipart_upload", Bucket=bucket, Key="k", UploadId=uid, MultipartUpload=parts)
+    assert fs.cat(f"{bucket}/k") == data
+
+
 def test_missing_keys_buckets_and_packages_are_one_line(server, bucket):
     for url in (f"s3://{bucket}/nothing", "s3://no-such-bucket-streamck/m.safetensors"):
         assert (

@@ -288,9 +288,9 @@ def _json(value: object) -> bytes:
     (orjson's rendering is that, for every code point, and faster); the stdlib's own outcome
     for what orjson refuses (a lone surrogate: UnicodeEncodeError, as before)."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=int)  # default: a numpy integer in a shape
     except orjson.JSONEncodeError:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=int).encode("utf-8")
 
 
 def _read(src: ByteSource, offset: int, n: int) -> bytes:
@@ -307,7 +307,7 @@ def _entries(chunk: dict[str, dict]) -> bytes:
     """``chunk``'s entries as they stand inside the header's braces (see encode_header)."""
     try:
         return orjson.dumps(chunk, default=int)[1:-1]  # default: a numpy integer in a shape
-    except orjson.JSONEncodeError:  # a lone surrogate in a name: the stdlib's outcome, as _json
+    except orjson.JSONEncodeError:  # a lone surrogate, an integer past 64 bits: as _json renders them
         return b",".join(_json(name) + b":" + _json(entry) for name, entry in chunk.items())
 
 
@@ -326,10 +326,11 @@ def encode_header(
     of it (#44).
     """
     pieces = [b'"' + METADATA_KEY.encode() + b'":' + _json(dict(sorted(metadata.items())))] if metadata else []
-    offset, chunk = 0, {}
+    offset, chunk, seen = 0, {}, set()
     for name, dtype, shape, size in tensors:
-        if name in chunk:
+        if name in seen:
             raise ValueError(f"tensor {name!r} twice in one header")
+        seen.add(name)
         chunk[name] = {"dtype": dtype, "shape": shape, "data_offsets": (offset, offset + size)}
         offset += size
         if len(chunk) == CHUNK:

@@ -84,7 +84,9 @@ def _fixed_mmap_threshold() -> None:
     """Have glibc's malloc map every block of MMAP_THRESHOLD or more afresh and unmap it when
     freed. By default a freed mapped block raises the threshold to its size, and from then on
     the 8 MiB requests and parts come from the threads' heaps, which keep what is freed: an
-    s3 -> s3 rewrite held 216 MiB where it needs 173. Not glibc: nothing to do."""
+    s3 -> s3 rewrite held 216 MiB where it needs 173. Process-wide, for a library caller too:
+    blocks of 1 MiB or more are mapped and unmapped each time (the default before the first
+    such free), at a syscall per block. Not glibc: nothing to do."""
     global _threshold_set
     if _threshold_set:
         return
@@ -318,8 +320,10 @@ def _s3_ranged(fs):
         return None
     from fsspec.asyn import sync
 
-    async def read_into(bucket: str, key: str, start: int, out: bytearray) -> bytearray:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + len(out) - 1}")
+    async def read_into(bucket: str, key: str, version: str | None, start: int, out: bytearray) -> bytearray:
+        versioned = {"VersionId": version} if version else {}
+        ranged = f"bytes={start}-{start + len(out) - 1}"
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=ranged, **versioned)
         body, at = resp["Body"], 0
         try:
             while at < len(out):
@@ -333,8 +337,8 @@ def _s3_ranged(fs):
         return out if at == len(out) else out[:at]
 
     def ranged(path: str, start: int, end: int) -> bytearray:
-        bucket, key, _ = fs.split_path(path)
+        bucket, key, version = fs.split_path(path)
         out = bytearray(end - start)
-        return sync(fs.loop, wrapper, read_into, args=(bucket, key, start, out), retries=fs.retries)
+        return sync(fs.loop, wrapper, read_into, args=(bucket, key, version, start, out), retries=fs.retries)
 
     return ranged

@@ -35,6 +35,26 @@ def writable(url: UrlPath) -> None:
         raise UsageError(f"{url}: outputs are written to s3:// URLs only yet (read from any fsspec URL)")
 
 
+class Part(io.BytesIO):
+    """A part's bytes as the request reads them: a stream, rewound at the start of every call."""
+
+
+def _rewind(params: dict, **kwargs) -> None:
+    if isinstance(params.get("Body"), Part):
+        params["Body"].seek(0)
+
+
+def rewinding(fs, bucket: str) -> None:
+    """Have the client that sends ``bucket``'s requests rewind a Part at the start of every
+    call. botocore rewinds a stream between its own attempts only; s3fs retries a failed call
+    with the same arguments, and a stream left where the failed request stopped would send
+    its tail: a short part, or, for the last one, a truncated object."""
+    from fsspec.asyn import sync
+
+    client = sync(fs.loop, fs.get_s3, bucket)
+    client.meta.events.register("before-parameter-build.s3.UploadPart", _rewind, unique_id="streamck-rewind-part")
+
+
 class Upload:
     """One object at ``url`` written in parts of ``part`` bytes: ``write`` as bytes come,
     then ``complete`` (the object appears) or ``abort`` (it never does)."""
@@ -81,12 +101,14 @@ class Upload:
     def _send(self, body: bytearray) -> None:
         if self._id is None:
             self._id = self._call("create_multipart_upload")["UploadId"]
+            with remote_errors(self.url, OutputError, "cannot write"):
+                rewinding(self.fs, self.bucket)
             self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix="streamck-put")
         number = len(self._parts) + 1
         # A stream, not bytes: the request then sends it a block at a time, where bytes go to
         # asyncio's transport in one write, which keeps a copy of what the socket did not take
         # at once (most of a part, for each part in flight: 175 MiB peak s3 -> s3, 154 so).
-        stream = io.BytesIO(body)
+        stream = Part(body)  # a copy (BytesIO shares only bytes): the bytearray goes at once
         del body
         future = self._pool.submit(self._call, "upload_part", UploadId=self._id, PartNumber=number, Body=stream)
         self._parts.append(future)

@@ -6,7 +6,7 @@ A DTensor pickles as ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor,
 size, stride, …), (None, {"_local_tensor": <plain tensor>, "_spec": DTensorSpec}))``; the spec
 holds the ``DeviceMesh`` (its dimension names and this rank's coordinate on each), the
 placements (``Shard(dim)``, ``Replicate()``) and ``TensorMeta`` (global shape, stride, dtype).
-Here those classes are stand-ins that record what was pickled (streamck.source.zero.files's
+Here those classes are stand-ins that record what was pickled (streamck.source.torchzip.inert's
 ``stub``), the rebuild functions never call anything, and the local tensor is a reference into
 its storage record, as for any ``.pt`` file.
 """
