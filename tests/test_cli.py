@@ -122,6 +122,7 @@ def test_ls_and_plain_rewrite_never_import_torch(ckpt, tmp_path):
 
 
 def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
+    import streamck.api  # noqa: F401 -- imported first: it binds write_plan, which must stay the real one
     import streamck.cli as cli
 
     seen = {}

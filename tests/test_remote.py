@@ -80,6 +80,25 @@ def test_local_to_s3_and_s3_to_s3_are_bit_for_bit(tmp_path, server, bucket, chec
     assert not server.fs().call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # every one completed
 
 
+def test_torch_archives_go_to_a_bucket_bit_for_bit(tmp_path, server, bucket, checkpoints):
+    """``--format torch`` (and a ``.bin`` file output) into the bucket: the archives and index
+    the local rewrite writes, byte for byte, and torch loads them."""
+    import torch
+
+    sharded = checkpoints["sharded"]
+    args = ["--format", "torch", "--max-shard-size", "20KB"]
+    s3(server, "rewrite", sharded, "-o", f"s3://{bucket}/pt", *args, check=0)
+    cli("rewrite", sharded, "-o", tmp_path / "pt", *args, check=0)
+    local = files_of(tmp_path / "pt")
+    assert len([n for n in local if n.endswith(".bin")]) > 1 and "pytorch_model.bin.index.json" in local
+    assert remote_files(server, f"{bucket}/pt") == local
+    s3(server, "rewrite", checkpoints["url"] + "/single/model.safetensors", "-o", f"s3://{bucket}/one.bin", check=0)
+    cli("rewrite", checkpoints["single"], "-o", tmp_path / "one.bin", check=0)
+    assert server.fs().cat(f"{bucket}/one.bin") == (tmp_path / "one.bin").read_bytes()
+    loaded = torch.load(tmp_path / "one.bin", weights_only=True)
+    assert loaded.keys() == json.loads(cli("ls", "--json", checkpoints["single"], check=0).stdout)["tensors"].keys()
+
+
 def test_the_library_reads_what_it_just_wrote(tmp_path, server, bucket, checkpoints, monkeypatch):
     """In one process (fsspec keeps listings): a rewrite into the bucket, then ls of it, sees it."""
     import streamck

@@ -171,7 +171,7 @@ def write_plan(
     with paused():  # headers and layouts: a few objects per tensor (see streamck.gcpause)
         shards = plan_shards(plan, out.name if single else default, max_shard_size, header_align, format, keep_shards)
     if isinstance(out, UrlPath):
-        _refuse_for_urls(out, format, verify, part)
+        _refuse_for_urls(verify, part)
         check_remote_target(out, sources, not single, force, [*plan.files, *plan.side_files])
         return _write_url(plan, out, shards, single, force, strict, progress, jobs, chunk, device)
     if part is None:
@@ -264,10 +264,8 @@ def _write_part(
     return written, sum(t.nbytes for s in mine for t in s.tensors), sum(len(s.tensors) for s in mine)
 
 
-def _refuse_for_urls(out: UrlPath, format: str, verify: bool, part: tuple[int, int] | None) -> None:
-    """What a URL output does not do yet, refused before anything is sent."""
-    if format != "safetensors":
-        raise UsageError(f"torch archives are written to local paths only yet, not {out}")
+def _refuse_for_urls(verify: bool, part: tuple[int, int] | None) -> None:
+    """What a URL output does not do, refused before anything is sent."""
     if verify:
         raise UsageError("--verify re-reads the output from disk: not for URL outputs yet")
     if part is not None:
