@@ -209,6 +209,7 @@ class RemoteSource:
 
     def __init__(self, url: PurePosixPath, fs, size: int):
         self.url, self.fs, self.size = url, fs, size
+        self._ranged = _s3_ranged(fs)  # None: fsspec's cat_file
         self._pool: ThreadPoolExecutor | None = None
         self._ahead = concurrency()
 
@@ -224,8 +225,8 @@ class RemoteSource:
     def get(self, start: int, end: int) -> bytes | bytearray:
         """The bytes ``[start, end)``, all of them, in one request."""
         with remote_errors(self.url):
-            if end - start >= BLOCK and (ranged := _s3_ranged(self.fs)) is not None:
-                data = ranged(self.url.key, start, end)
+            if end - start >= BLOCK and self._ranged is not None:
+                data = self._ranged(self.url.key, start, end)
             else:
                 data = self.fs.cat_file(self.url.key, start=start, end=end)
         if len(data) != end - start:
