@@ -9,7 +9,12 @@ or the data flow step by step, source → plan → writer::
 
     ckpt = open_checkpoint("llama-70b")                 # headers only
     plan = compile_plan(ckpt, Rules((Rule("strip_prefix", "model."),)))
-    write_plan(plan, "out", max_shard_size=5 * 10**9)  # bounded memory, atomic
+    write_plan(plan, "out", WriteOptions(max_shard_size=5 * 10**9))  # bounded memory, atomic
+
+or with the options as objects, each checked where it is made::
+
+    streamck.rewrite(SourceSpec("run", step="latest"), "out", plan_options=PlanOptions(dtype="bf16"),
+                     write_options=WriteOptions(max_shard_size="5GB", verify=True))
 """
 
 from streamck._lazy import lazy_getattr as _lazy_getattr
@@ -37,7 +42,8 @@ _EXPORTS = {
     ),
     "streamck.source": ("Checkpoint", "TensorRef", "open_checkpoint"),
     "streamck.spec": ("SourceSpec",),
-    "streamck.writer": ("WriteResult", "write_plan"),
+    "streamck.plan.options": ("PlanOptions",),
+    "streamck.writer": ("WriteOptions", "WriteResult", "write_plan"),
 }
 _MODULE = {name: module for module, names in _EXPORTS.items() for name in names}
 

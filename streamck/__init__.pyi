@@ -25,10 +25,12 @@ from streamck.plan import load_rules as load_rules
 from streamck.plan import megatron_plan as megatron_plan
 from streamck.plan import olmo2_plan as olmo2_plan
 from streamck.plan import torchtitan_plan as torchtitan_plan
+from streamck.plan.options import PlanOptions as PlanOptions
 from streamck.source import Checkpoint as Checkpoint
 from streamck.source import TensorRef as TensorRef
 from streamck.source import open_checkpoint as open_checkpoint
 from streamck.spec import SourceSpec as SourceSpec
+from streamck.writer import WriteOptions as WriteOptions
 from streamck.writer import WriteResult as WriteResult
 from streamck.writer import write_plan as write_plan
 

@@ -8,7 +8,7 @@ run from any thread; every failure is a ``StreamckError``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,72 +18,55 @@ from streamck.check.diff import Side
 from streamck.errors import PlanError, UsageError
 from streamck.gcpause import paused
 from streamck.plan import Plan, Rule, Rules
+from streamck.plan.options import PlanOptions, split_options
 from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint
 from streamck.source.checkpoint import resolve_step
 from streamck.spec import SourceSpec
 from streamck.storage import location
-from streamck.writer import WriteResult, write_plan
-from streamck.writer.parts import parse_part
+from streamck.writer import WriteResult
+from streamck.writer.options import WriteOptions
 
 Source = str | os.PathLike | Checkpoint | SourceSpec
 
 
-def build_plan(
-    source: Source,
-    *,
-    rules: Iterable[Rule | Mapping[str, str]] = (),
-    dtype: str | None = None,
-    casts: Mapping[str, str] | None = None,
-    copy_files: bool = True,
-    merge_lora: str | os.PathLike | None = None,
-    safe_merge: bool = False,
-    merge_lora_any_base: bool = False,
-    merge_engine: str | None = None,
-    experts: str = "auto",
-    quantize: str | None = None,
-    quantize_ignore: Sequence[str] = (),
-    quantize_lm_head: bool = False,
-    **read: Any,
-) -> Plan:
+def build_plan(source: Source, options: PlanOptions | None = None, **keywords: Any) -> Plan:
     """Compile what ``rewrite`` would write, without writing: the output tensors, their
     sources and dtypes, and the side files. ``source`` is a path, a Checkpoint or a
-    SourceSpec; ``read`` are SourceSpec's fields (``step``, ``key``, ``zero``, ``keep_tied``,
-    ``plan``, ``hf_config``, ``verifier``, ``aux_layer_ids``) over what it says.
+    SourceSpec; ``options`` a PlanOptions (streamck.plan.options: rules, dtype, casts, LoRA
+    merge, experts, quantization); ``keywords`` are SourceSpec's fields (``step``, ``key``,
+    ``zero``, ``keep_tied``, ``plan``, ``hf_config``, ``verifier``, ``aux_layer_ids``) and
+    PlanOptions' (``dtype="bf16"``, the older spelling) over what those say. The passes run
+    in the order streamck.plan.options.PASSES lists.
+
     ``merge_lora`` names a PEFT LoRA adapter folder to merge in as PEFT's merge_and_unload
-    does (``safe_merge`` as there; ``merge_lora_any_base`` skips the check that it was trained
-    on this base; ``merge_engine="numpy"`` merges without torch, not bit for bit), see
+    does (``merge_engine="numpy"`` merges without torch, not bit for bit), see
     streamck.plan.lora. ``experts`` is how MoE experts come out without a built-in plan:
     ``"auto"`` as save_pretrained writes them (fused runtime tensors split per expert, the
     family from config.json), ``"keep"`` as the source has them, ``"fuse"`` fused as
-    transformers runs them (see streamck.plan.moe). ``quantize`` names a scheme (``"FP8_BLOCK"``) to quantize the
-    output's linear weights to, as llm-compressor's model_free_ptq does, leaving out the
-    modules ``quantize_ignore`` names (``"re:.*self_attn.*"``) besides the defaults (``lm_head``
-    unless ``quantize_lm_head``, the input embeddings, ``"re:.*mlp.gate$"``); ``dtype`` on a
-    quantized source dequantizes it (see streamck.plan.quant).
+    transformers runs them (see streamck.plan.moe). ``quantize`` names a scheme
+    (``"FP8_BLOCK"``) to quantize the output's linear weights to, as llm-compressor's
+    model_free_ptq does, leaving out the modules ``quantize_ignore`` names besides the
+    defaults; ``dtype`` on a quantized source dequantizes it (see streamck.plan.quant).
 
     >>> p = build_plan("ckpt", rules=[{"strip_prefix": "model."}], dtype="bf16")  # doctest: +SKIP
     >>> [t.name for t in p.tensors][:2]  # doctest: +SKIP
     ['embed_tokens.weight', 'layers.0.mlp.up_proj.weight']
     """
-    spec = SourceSpec.of(source, **read)
-    if merge_lora is not None and spec.builtin is not None:
+    read, changes = split_options(keywords, SourceSpec, PlanOptions)
+    spec, o = SourceSpec.of(source, **read), PlanOptions.of(options, **changes)
+    if o.merge_lora is not None and spec.builtin is not None:
         raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {spec.builtin}")
-    lora_flags = {"--safe-merge": safe_merge, "--merge-engine": merge_engine}
-    lora_flags["--merge-lora-any-base"] = merge_lora_any_base
-    stray = [flag for flag, value in lora_flags.items() if value not in (None, False)]
-    if merge_lora is None and stray:
-        raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
-    extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in (casts or {}).items())
-    plan_rules = Rules(rules_from(rules) + extra, dtype)
+    extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in o.casts.items())
+    plan_rules = Rules(rules_from(o.rules) + extra, o.dtype)
     from streamck.plan.moe import apply_experts, keep_fp32  # only here: ls and diff do not need them
 
     with paused():  # the per-tensor objects of the plan (see streamck.gcpause)
-        compiled = spec.compile(plan_rules, copy_files=copy_files)
-        compiled = apply_experts(keep_fp32(compiled, plan_rules), experts, builtin=spec.builtin)
-    if merge_lora is not None:
-        compiled = _merge_lora(compiled, merge_lora, safe_merge, merge_lora_any_base, merge_engine)
-    return _quant_steps(compiled, dtype, quantize, quantize_ignore, quantize_lm_head)
+        compiled = spec.compile(plan_rules, copy_files=o.copy_files)
+        compiled = apply_experts(keep_fp32(compiled, plan_rules), o.experts, builtin=spec.builtin)
+    if o.merge_lora is not None:
+        compiled = _merge_lora(compiled, o.merge_lora, o.safe_merge, o.merge_lora_any_base, o.merge_engine)
+    return _quant_steps(compiled, o.dtype, o.quantize, o.quantize_ignore, o.quantize_lm_head)
 
 
 def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequence[str], head: bool) -> Plan:
@@ -92,8 +75,6 @@ def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequ
     from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_kind
     from streamck.plan.quant.plan import quantize_plan
 
-    if (ignore or head) and scheme is None:
-        raise UsageError(f"{'--quantize-ignore' if ignore else '--quantize-lm-head'} applies to --quantize only")
     if plan.source is not None and quantized_kind(plan) is not None:
         if scheme is not None:
             raise PlanError(f"--quantize: the source is already {quantized_kind(plan)}-quantized; dequantize it first")
@@ -135,49 +116,25 @@ def rewrite(
     source: Source,
     output: str | os.PathLike,
     *,
-    rules: Iterable[Rule | Mapping[str, str]] = (),
-    dtype: str | None = None,
-    casts: Mapping[str, str] | None = None,
-    copy_files: bool = True,
-    max_shard_size: int | str | None = None,
-    format: str | None = None,
-    jobs: int = 1,
-    part: tuple[int, int] | str | None = None,
-    keep_shards: bool = False,
-    header_align: int = 8,
-    force: bool = False,
-    verify: bool = False,
-    device: str | None = None,
-    drop_cache: bool = False,
-    merge_lora: str | os.PathLike | None = None,
-    safe_merge: bool = False,
-    merge_lora_any_base: bool = False,
-    merge_engine: str | None = None,
-    experts: str = "auto",
-    quantize: str | None = None,
-    quantize_ignore: Sequence[str] = (),
-    quantize_lm_head: bool = False,
-    **read: Any,
+    plan_options: PlanOptions | None = None,
+    write_options: WriteOptions | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+    **keywords: Any,
 ) -> WriteResult:
     """Rewrite the checkpoint at ``source`` into ``output``, like ``streamck rewrite``. Either
-    may be a URL (``s3://bucket/key``; safetensors files and folders only, see streamck.storage):
-    read by ranged requests, written as multipart uploads completed only at the end.
+    may be a URL (``s3://bucket/key``, see streamck.storage): read by ranged requests, written
+    as multipart uploads completed only at the end.
 
-    ``source`` and ``read`` say what is read, as build_plan takes them (a SourceSpec's fields:
-    ``plan`` is a built-in plan name such as ``"eagle4"`` or a TOML plan file whose rules run
-    first; ``step``, ``key``, ``zero``, ``keep_tied`` choose what a run root, a torch pickle, a
-    DCP checkpoint (``key="model"``: the weights of a model + optimizer save) or a DeepSpeed
-    checkpoint is read as; ``hf_config``, ``verifier``, ``aux_layer_ids`` are the built-in
-    plans' options). ``rules`` take the plan file's shape (``{"strip_prefix": "model."}``,
-    applied in order) or Rule objects; ``dtype`` casts every float tensor and ``casts`` maps
-    globs to dtypes (winning over ``dtype``); the LoRA options and ``experts`` (MoE: ``"auto"``,
-    ``"keep"``, ``"fuse"``) are build_plan's. ``max_shard_size`` is bytes or a size like
-    ``"5GB"``; ``format="torch"`` writes torch.save archives (a ``.bin``/``.pt``/``.pth`` output
-    name does too); ``jobs`` writes that many shards at once; ``part="K/N"`` writes only part K
-    of N of the shards (see streamck.writer.parts); ``keep_shards`` writes one file per source
-    file, tensors in the source's order, so that where the filesystem can share blocks (XFS
-    reflink, btrfs) a rename shares them all (``result.shared`` bytes; see
-    streamck.writer.clone). Memory stays near one chunk (per job).
+    Three objects say what happens, each checked where it is made: ``source`` may be a
+    SourceSpec (what is read, and how: a run's step, a key, a built-in plan such as
+    ``"eagle4"`` with its options); ``plan_options`` a PlanOptions (streamck.plan.options:
+    rules, dtype, LoRA merge, experts, quantization); ``write_options`` a WriteOptions
+    (streamck.writer.options: format, shard size, force, verify, strict, jobs, part,
+    progress …). ``keywords`` are any of their fields over what those say, by name
+    (``dtype="bf16"``, ``max_shard_size="5GB"``, ``plan="eagle4"``). ``on_plan`` is called
+    with the compiled plan before a byte is written (the CLI prints its notices there).
+
+    Memory stays near one chunk per job, whatever the tensor sizes.
 
     >>> import numpy as np, safetensors.numpy, tempfile, streamck
     >>> d = tempfile.mkdtemp()
@@ -187,39 +144,14 @@ def rewrite(
     >>> streamck.ls(f"{d}/out.safetensors")["tensors"]
     {'w': {'dtype': 'BF16', 'shape': [2, 3]}}
     """
-    from streamck.writer import parse_size
+    from streamck import writer
 
-    compiled = build_plan(
-        source,
-        rules=rules,
-        dtype=dtype,
-        casts=casts,
-        copy_files=copy_files,
-        merge_lora=merge_lora,
-        safe_merge=safe_merge,
-        merge_lora_any_base=merge_lora_any_base,
-        merge_engine=merge_engine,
-        experts=experts,
-        quantize=quantize,
-        quantize_ignore=quantize_ignore,
-        quantize_lm_head=quantize_lm_head,
-        **read,
-    )
-    size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
-    return write_plan(
-        compiled,
-        output,
-        max_shard_size=size,
-        header_align=header_align,
-        force=force,
-        verify=verify,
-        device=device,
-        drop_cache=drop_cache,
-        format=format,
-        jobs=jobs,
-        part=parse_part(part) if isinstance(part, str) else part,
-        keep_shards=keep_shards,
-    )
+    read, changes, written = split_options(keywords, SourceSpec, PlanOptions, WriteOptions)
+    write_options = WriteOptions.of(write_options, **written)  # its mistakes before the source is read
+    compiled = build_plan(SourceSpec.of(source, **read), PlanOptions.of(plan_options, **changes))
+    if on_plan is not None:
+        on_plan(compiled)
+    return writer.write_plan(compiled, output, write_options)
 
 
 def manifest_of(spec: SourceSpec) -> tuple[dict[str, Any], Checkpoint | None, Plan | None]:

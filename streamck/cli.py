@@ -18,7 +18,7 @@ from streamck.cli_show import print_checkpoint, print_plan
 from streamck.errors import Info, StreamckError, UsageError
 from streamck.source.producers import plan_hint
 from streamck.storage import is_url
-from streamck.units import human
+from streamck.units import human, is_bare_bytes
 
 if TYPE_CHECKING:
     from streamck.check.diff import Side
@@ -83,12 +83,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile(args: argparse.Namespace):
-    """The plan for ``rewrite`` (streamck.build_plan), the source's and its own notices on stderr."""
-    from streamck.api import build_plan
+def _plan_options(args: argparse.Namespace):
+    """The command's plan options (streamck.plan.options.PlanOptions)."""
+    from streamck.plan.options import PlanOptions
 
-    plan = build_plan(
-        _spec(args),
+    return PlanOptions(
         rules=args.rules or (),
         dtype=args.dtype,
         copy_files=not args.no_copy_files,
@@ -101,49 +100,72 @@ def _compile(args: argparse.Namespace):
         quantize_ignore=args.quantize_ignore or (),
         quantize_lm_head=args.quantize_lm_head,
     )
-    _notes(plan, args.quiet)
-    return plan
+
+
+def _write_options(args: argparse.Namespace):
+    """The command's write options (streamck.writer.options.WriteOptions)."""
+    from streamck.writer.options import WriteOptions
+
+    return WriteOptions(
+        format=args.format,
+        max_shard_size=args.max_shard_size,
+        keep_shards=args.keep_shards,
+        header_align=args.header_align,
+        force=args.force,
+        verify=args.verify,
+        strict=args.strict,
+        device=args.device,
+        jobs=args.jobs,
+        part=args.part,
+        drop_cache=args.drop_cache,
+        progress=args.progress or ("none" if args.quiet else "auto"),
+    )
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
-    from streamck.writer import parse_size, write_plan
-    from streamck.writer.parts import parse_part
+    from streamck.api import build_plan, rewrite
 
     # Argument mistakes are said before the checkpoint is indexed (a large one takes a while).
     if not args.dry_run and args.output is None:
         raise UsageError("rewrite needs -o OUT (or --dry-run)")
     if not args.dry_run and args.output == "-" and args.json:
         raise UsageError("-o - puts the checkpoint on stdout; --json cannot go there too")
-    size = parse_size(args.max_shard_size) if args.max_shard_size else None
-    part = parse_part(args.part) if args.part else None
-    plan = _compile(args)
+    options = _write_options(args)
+    if args.max_shard_size and is_bare_bytes(args.max_shard_size) and not args.quiet:
+        n = args.max_shard_size.strip()
+        print(f"streamck: note: --max-shard-size {n} is {n} bytes; write {n}MB or {n}GB for more", file=sys.stderr)
     if args.dry_run:
-        from streamck.writer.engine import file_format
-        from streamck.writer.torchsave import refuse_unsaveable
-
-        if "torch" in (args.format, args.output and args.output != "-" and file_format(Path(args.output))):
-            refuse_unsaveable(plan.tensors)  # as writing would
-        if args.json:
-            sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
-        else:
-            print_plan(plan)
-        return 0
-    result = write_plan(
-        plan,
+        return _dry_run(args, build_plan(_spec(args), _plan_options(args)), options)
+    plans = []
+    result = rewrite(
+        _spec(args),
         args.output,
-        max_shard_size=size,
-        header_align=args.header_align,
-        force=args.force,
-        drop_cache=args.drop_cache,
-        device=args.device,
-        verify=args.verify,
-        progress=args.progress or ("none" if args.quiet else "auto"),
-        format=args.format,
-        jobs=args.jobs,
-        part=part,
-        keep_shards=args.keep_shards,
-        strict=args.strict,
+        plan_options=_plan_options(args),
+        write_options=options,
+        on_plan=lambda plan: plans.append(_notes(plan, args.quiet)),
     )
+    _report(args, result, plans[0], options)
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, plan: Plan, options) -> int:
+    """``--dry-run``: the plan's notices, then the plan (refused as writing it would be)."""
+    from streamck.writer import formats
+
+    _notes(plan, args.quiet)
+    if args.output and args.output != "-":
+        fmt, _ = formats.choose(options.format, args.output)
+        plan = fmt.prepare(plan, options)
+        fmt.check(plan, options, args.output)  # as writing would
+    if args.json:
+        sys.stdout.write(manifest.dumps(manifest.plan_manifest(plan)))
+    else:
+        print_plan(plan)
+    return 0
+
+
+def _report(args: argparse.Namespace, result, plan: Plan, options) -> None:
+    """What the rewrite did: lossy casts as warnings, then one closing line (or the JSON report)."""
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
     if args.json:
@@ -158,13 +180,13 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True))
     elif not args.quiet:
         wrote = f"wrote {result.tensors} tensors, {human(result.total_size)} to {args.output}"
-        if part is not None:
+        if options.part is not None:
+            k, n = options.part
             shards = sum(f.suffix in (".safetensors", ".bin") for f in result.files)
-            wrote = f"part {part[0]}/{part[1]}: {shards} shards, {result.tensors} of {len(plan.tensors)} tensors, "
+            wrote = f"part {k}/{n}: {shards} shards, {result.tensors} of {len(plan.tensors)} tensors, "
             wrote += f"{human(result.total_size)} of {human(plan.total_size)} to {args.output}"
         moved = f"{human(result.shared)} shared with the source, {human(result.copied)} copied"
         print(f"{wrote} ({moved})", file=sys.stderr)
-    return 0
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:

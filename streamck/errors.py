@@ -13,7 +13,16 @@ def listing(items: list[str], limit: int = 8) -> str:
 
 # An option a message tells the caller to pass, as the library's caller spells it and as the
 # command line does: a message holds the mark, ``str()`` says ``force=True``, ``cli()`` ``--force``.
-OPTIONS = {"{force}": ("force=True", "--force")}
+# Every other mark is an option's name in braces: ``{max_shard_size}`` says ``max_shard_size`` to a
+# library caller and ``--max-shard-size`` on the command line.
+FLAGS = (
+    "max_shard_size", "keep_shards", "header_align", "verify", "strict", "device", "jobs", "part", "progress",
+    "format", "drop_cache", "remote_concurrency", "dtype", "quantize", "merge_lora", "hf_config",
+)  # fmt: skip
+OPTIONS = {
+    "{force}": ("force=True", "--force"),
+    **{f"{{{name}}}": (name, "--" + name.replace("_", "-")) for name in FLAGS},
+}
 
 
 class StreamckError(Exception):

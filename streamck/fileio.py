@@ -23,6 +23,15 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[os.write(fd, view[:WRITE_PIECE]) :]
 
 
+def fsync(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (its entries) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
     """Fill ``view`` from ``fd`` at ``offset``; a short file is a CheckpointError naming ``path``."""
     while view:

@@ -95,8 +95,11 @@ def test_part_refusals(src, tmp_path):
     (tmp_path / "busy" / "NOTES.md").write_text("mine")
     with pytest.raises(OutputError, match="NOTES.md"):
         streamck.rewrite(src, tmp_path / "busy", part="1/2")
-    with pytest.raises(UsageError, match="--jobs 0"):
+    # The library names its parameter (#49), the command line its flag.
+    with pytest.raises(UsageError, match="^jobs 0: must be at least 1$"):
         streamck.rewrite(src, tmp_path / "o", jobs=0)
+    r = cli("rewrite", src, "-o", tmp_path / "o", "--jobs", "0")
+    assert r.returncode == 2 and "--jobs 0: must be at least 1" in r.stderr
 
 
 def test_a_failing_job_stops_the_others_and_leaves_nothing(src, tmp_path, monkeypatch):
@@ -151,12 +154,12 @@ def test_parts_on_hosts_that_pad_differently_still_write_every_shard(src, tmp_pa
     twice or by nobody."""
     from dataclasses import replace
 
-    from streamck.writer import engine
+    from streamck.writer import destination  # where the layout meets the target (#49)
     from streamck.writer.layout import pad_header
 
     one = streamck.rewrite(src, tmp_path / "one", max_shard_size="4KB")
     names = sorted(p.name for p in one.files if p.name.endswith(".safetensors"))
-    plain = engine.line_up
+    plain = destination.line_up
 
     def padded_last(shard, sharing, align):  # as if the last shard shared a long run
         if shard.filename != names[-1]:
@@ -166,7 +169,7 @@ def test_parts_on_hosts_that_pad_differently_still_write_every_shard(src, tmp_pa
     for k in (1, 2, 3):
         with monkeypatch.context() as m:
             if k == 1:
-                m.setattr(engine, "line_up", padded_last)
+                m.setattr(destination, "line_up", padded_last)
             streamck.rewrite(src, tmp_path / "parts", max_shard_size="4KB", part=(k, 3))
     got = sorted(p.name for p in (tmp_path / "parts").iterdir() if p.name.endswith(".safetensors"))
     assert got == names

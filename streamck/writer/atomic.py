@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from streamck.errors import OutputError, listing
+from streamck.fileio import fsync as fsync_dir
 from streamck.storage import UrlPath
 
 TMP_TAG = ".streamck-tmp-"
@@ -117,14 +118,6 @@ def _new_temp(final: Path, is_dir: bool) -> tuple[Path, Path, int]:
             return tmp, lock, fd
         os.close(fd)
     raise OutputError("temporary output removed by other runs as soon as it was made", final.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_temporary(name: str) -> bool:

@@ -24,14 +24,16 @@ FORMATS = ("safetensors", "torch")
 
 @dataclass(frozen=True)
 class Shard:
-    """One output file: its name, its tensors in write order, and for safetensors its
-    complete header (length prefix and padding included); a ``torch`` shard is a
-    torch.save archive (streamck.writer.torchsave) and has no header of its own."""
+    """One output file: its name, its tensors in write order, the bytes that go before them
+    (for safetensors its complete header, length prefix and padding included), the name of
+    its format (streamck.writer.formats) and the alignment of its tensors' bytes; a ``torch``
+    shard is a torch.save archive (streamck.writer.torchsave) and has no header of its own."""
 
     filename: str
     header: bytes
     tensors: list[OutputTensor]
     format: str = "safetensors"
+    align: int = 1  # each tensor's bytes padded with zeros to a multiple of this (GGUF's 32)
 
     @property
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]:
@@ -44,7 +46,12 @@ class Shard:
             from streamck.writer.torchsave import archive_size
 
             return archive_size(self.filename, self.entries)
-        return len(self.header) + sum(t.nbytes for t in self.tensors)
+        return len(self.header) + sum(padded(t.nbytes, self.align) for t in self.tensors)
+
+
+def padded(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
 
 
 def write_order(tensors: list[OutputTensor]) -> list[OutputTensor]:

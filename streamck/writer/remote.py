@@ -15,16 +15,20 @@ import fcntl
 import fnmatch
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from streamck.errors import OutputError, listing
+from streamck.errors import OutputError, UsageError, listing
+from streamck.plan import Plan
 from streamck.storage import UrlPath
 from streamck.storage.remote import info, listdir
 from streamck.storage.upload import Upload, delete, part_size, writable
 from streamck.writer.atomic import INDEX_FILES, STALE_WEIGHTS
+from streamck.writer.destination import Destination
 from streamck.writer.layout import Shard
-from streamck.writer.shardwriter import ShardWriter, Workers
+from streamck.writer.options import WriteOptions
+from streamck.writer.shardwriter import ShardWriter
 
 PIPE_SIZE = 1 << 20  # the pipe between writer and uploader: fewer wake-ups than the default 64 KiB
 READ = 1 << 20
@@ -138,41 +142,66 @@ def _send_extra(data: Path | UrlPath | bytes, url: UrlPath, uploads: list[Upload
         _send_extra(data.read_bytes(), url, uploads)  # config, tokenizer: small
 
 
-def write_remote(
-    out: UrlPath,
-    shards: list[Shard],
-    extras: dict[str, Path | UrlPath | bytes],
-    workers: Workers,
-    single: bool,
-    force: bool,
-    before_commit=lambda: None,
-) -> list[UrlPath]:
-    """Upload ``shards`` (and for a folder output ``extras``) under ``out``; complete them all
-    only after ``before_commit`` (the source's unchanged check) passes. Returns their URLs."""
-    urls = [out] if single else [out / s.filename for s in shards]
-    uploads = [Upload(u, part_size(s.size)) for u, s in zip(urls, shards, strict=True)]
-    done: list[Upload] = []
-    side: list[Upload] = []
-    try:
-        workers.map(lambda w, i: _send_shard(w, shards[i], uploads[i]), list(range(len(shards))))
-        for name, data in ({} if single else extras).items():
-            _send_extra(data, out / name, side)
-        before_commit()
-        index = [u for u in side if u.url.name in INDEX_FILES]
-        if force and not single:
-            for name in INDEX_FILES:  # no index may name a mix of old and new shards
-                delete(out / name)
-        for upload in [*uploads, *(u for u in side if u not in index), *index]:
-            upload.complete()
-            done.append(upload)
-    except BaseException:
-        for upload in uploads + side:
-            if upload not in done:
-                upload.abort()
-        raise
-    if force and not single:
-        names = {s.filename for s in shards} | set(extras)
-        for name, entry in listdir(out, fresh=True).items():
+class Bucket(Destination):
+    """A file or a folder in a bucket: each file a multipart upload, completed only once
+    every one has all its parts and the source is checked unchanged; the shards first, then
+    the side files, the index last. On any failure every upload is aborted."""
+
+    def __init__(self, out: UrlPath, plan: Plan, options: WriteOptions, single: bool):
+        super().__init__(out, plan, options)
+        self.single, self.uploads, self.side, self.extras = single, {}, [], []
+
+    def check(self, shards: list[Shard], extras: list[str]) -> None:
+        if self.options.verify:
+            raise UsageError("{verify} re-reads the output from disk: not for URL outputs yet")
+        if self.options.part is not None:
+            raise UsageError("{part} writes into a folder shared by its runs: not to URLs yet")
+        writes = [*self.plan.files, *self.plan.side_files]
+        check_remote_target(self.out, self.sources, not self.single, self.options.force, writes)
+
+    def arrange(self, shards: list[Shard]) -> list[Shard]:
+        for s in shards:
+            self.uploads[s.filename] = Upload(self._url(s), part_size(s.size))
+        self.shards = shards
+        return shards
+
+    def _url(self, shard: Shard) -> UrlPath:
+        return self.out if self.single else self.out / shard.filename
+
+    @contextmanager
+    def open(self) -> Iterator[None]:
+        done: list[Upload] = []
+        try:
+            yield
+            index = [u for u in self.side if u.url.name in INDEX_FILES]
+            if self.options.force and not self.single:
+                for name in INDEX_FILES:  # no index may name a mix of old and new shards
+                    delete(self.out / name)
+            for upload in [*self.uploads.values(), *(u for u in self.side if u not in index), *index]:
+                upload.complete()
+                done.append(upload)
+        except BaseException:
+            for upload in [*self.uploads.values(), *self.side]:
+                if upload not in done:
+                    upload.abort()
+            raise
+        if self.options.force and not self.single:
+            self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        names = {*self.uploads, *self.extras}
+        for name, entry in listdir(self.out, fresh=True).items():
             if name not in names and entry.get("type") == "file" and _is_weights(name):
-                delete(out / name)
-    return urls + ([] if single else [out / n for n in sorted(extras)])
+                delete(self.out / name)
+
+    def write(self, writer: ShardWriter, shard: Shard) -> None:
+        _send_shard(writer, shard, self.uploads[shard.filename])
+
+    def put(self, extras: dict[str, Path | bytes]) -> None:
+        if not self.single:
+            for name, data in extras.items():
+                _send_extra(data, self.out / name, self.side)
+            self.extras = sorted(extras)
+
+    def files(self) -> list[UrlPath]:
+        return [self._url(s) for s in self.shards] + [self.out / n for n in self.extras]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from streamck.plan import OutputTensor
 from streamck.source.reader import CHUNK, Reader
 from streamck.storage import UrlPath
 from streamck.transforms.base import DEVICE
+from streamck.writer import formats
 from streamck.writer.clone import Sharing, copy_shared, spans
 from streamck.writer.layout import Shard
 from streamck.writer.progress import Silent
@@ -117,45 +118,56 @@ class ShardWriter:
         return self.caster
 
     def write(self, shard: Shard, out: int) -> None:
-        if shard.format == "torch":
-            self._write_torch(shard, out)
-            return
-        write_all(out, shard.header)
+        """Write ``shard`` into ``out`` as its format lays it out (streamck.writer.formats)."""
+        formats.get(shard.format).write(shard, self, out)
+
+    def copy(self, tensors: Sequence[OutputTensor], out: int, align: int = 1) -> None:
+        """Write ``tensors``' bytes to ``out`` in order, each padded with zeros to a multiple of
+        ``align``: unchanged runs copied kernel-side (or sharing the source's blocks), casts
+        and transforms computed chunk by chunk."""
         since_drop = 0
+        groups = spans(tensors) if align == 1 else (g for t in tensors for g in spans([t]))
         with Writeback(out, self.progress, self.writeback_pool()) as progress:
-            for group, span in spans(shard.tensors):
-                self.started(group[0].name)
-                if span is not None and self.sharing is not None:  # unchanged tensors continuing one another
-                    self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
-                elif span is not None:  # a stream (-o -): one copy all the same
-                    self.reader.copy(span, out, progress)
-                elif (t := group[0]).transform is not None:
-                    for view in self.computed(t):
-                        write_all(out, view)
-                        progress(len(view))
-                elif t.is_cast:
-                    n = self.get_caster().cast(self.reader.stream(t.source), t.dtype, out, progress)
-                    if n:
-                        self.overflow[t.name] = n
-                else:
-                    self.reader.copy(t.source, out, progress)
+            for group, span in groups:
+                self._copy_group(group, span, out, progress)
+                if align > 1 and (pad := -group[0].nbytes % align):
+                    write_all(out, bytes(pad))
                 if self.drop_cache:
-                    for t in group:
-                        for path in (p for p in t.source.paths if not isinstance(p, UrlPath)):
-                            os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
-                        since_drop += t.nbytes
-                    if since_drop >= _DROP_EVERY:
-                        os.fdatasync(out)  # only clean pages can be dropped
-                        os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
-                        since_drop = 0
+                    since_drop = self._drop(group, out, since_drop)
 
-    def _write_torch(self, shard: Shard, out: int) -> None:
-        """A torch.save archive: every byte passes through here for its CRC-32, so even
-        unchanged tensors are read into the buffer rather than copied kernel-side."""
-        from streamck.writer.torchsave import stream_archive
+    def _copy_group(self, group: list[OutputTensor], span, out: int, progress: Callable[[int], None]) -> None:
+        self.started(group[0].name)
+        if span is not None and self.sharing is not None:  # unchanged tensors continuing one another
+            self.shared += copy_shared(self.reader, span, out, self.sharing, progress, self.progress)
+        elif span is not None:  # a stream (-o -): one copy all the same
+            self.reader.copy(span, out, progress)
+        elif (t := group[0]).transform is not None:
+            for view in self.computed(t):
+                write_all(out, view)
+                progress(len(view))
+        elif t.is_cast:
+            n = self.get_caster().cast(self.reader.stream(t.source), t.dtype, out, progress)
+            if n:
+                self.overflow[t.name] = n
+        else:
+            self.reader.copy(t.source, out, progress)
 
-        pieces = stream_archive(shard.filename, shard.entries, (self.pieces(t) for t in shard.tensors))
-        with Writeback(out, lambda n: None, self.writeback_pool()) as writeback:  # pieces() counts progress
+    def _drop(self, group: list[OutputTensor], out: int, since_drop: int) -> int:
+        """``--drop-cache``: the group's source pages, and every _DROP_EVERY bytes the output's."""
+        for t in group:
+            for path in (p for p in t.source.paths if not isinstance(p, UrlPath)):
+                os.posix_fadvise(self.reader.fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
+            since_drop += t.nbytes
+        if since_drop >= _DROP_EVERY:
+            os.fdatasync(out)  # only clean pages can be dropped
+            os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
+            since_drop = 0
+        return since_drop
+
+    def put(self, out: int, pieces: Iterable[bytes | memoryview]) -> None:
+        """Write ``pieces`` to ``out``, the disk told to start on them as they come; their
+        progress is counted where they are made (pieces())."""
+        with Writeback(out, lambda n: None, self.writeback_pool()) as writeback:
             for piece in pieces:
                 write_all(out, piece)
                 writeback(len(piece))
@@ -228,7 +240,7 @@ class Workers:
         progress: Silent,
         sharing: Sharing | None = None,
     ):
-        self.jobs, self._stop = jobs, threading.Event()
+        self.jobs, self._stop, self.bar = jobs, threading.Event(), progress
         lock = threading.Lock()
 
         def checked(n: int) -> None:
