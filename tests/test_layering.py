@@ -136,7 +136,7 @@ def test_the_writer_never_imports_torch():
 def test_plan_top_level_is_shared_machinery():
     """``streamck/plan``'s own modules are the shared machinery; families live in packages."""
     top = sorted(p.stem for p in (PACKAGE / "plan").glob("*.py"))
-    assert top == ["__init__", "compile", "contract", "hf_export", "rules"]
+    assert top == ["__init__", "compile", "contract", "hf_export", "options", "rules"]
 
 
 def test_bench_and_scripts_import_no_test_module():
