@@ -18,6 +18,9 @@ or with the options as objects, each checked where it is made::
 """
 
 from streamck._lazy import lazy_getattr as _lazy_getattr
+from streamck.registry import BUILTINS as _BUILTINS
+
+_PLAN_FUNCTIONS = sorted({b.function for b in _BUILTINS})
 
 # The public names, by the module each lives in. They are imported on first use, so that
 # ``streamck ls`` (or ``import streamck.source``) does not pay for the writer and the
@@ -26,20 +29,8 @@ _EXPORTS = {
     "streamck.api": ("build_plan", "diff", "export_eagle4_draft", "hash", "ls", "rewrite"),
     "streamck.errors": ("CheckpointError", "DeviceError", "OutputError", "PlanError", "StreamckError", "UsageError"),
     "streamck.manifest": ("checkpoint_manifest", "plan_manifest"),
-    "streamck.plan": (
-        "OutputTensor",
-        "Plan",
-        "Rule",
-        "Rules",
-        "compile_plan",
-        "eagle3_plan",
-        "eagle3_speculators_plan",
-        "eagle4_plan",
-        "load_rules",
-        "megatron_plan",
-        "olmo2_plan",
-        "torchtitan_plan",
-    ),
+    # the built-in plans' functions by the one table of them (streamck.registry)
+    "streamck.plan": ("OutputTensor", "Plan", "Rule", "Rules", "compile_plan", "load_rules", *_PLAN_FUNCTIONS),
     "streamck.source": ("Checkpoint", "TensorRef", "open_checkpoint"),
     "streamck.spec": ("SourceSpec",),
     "streamck.plan.options": ("PlanOptions",),

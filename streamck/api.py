@@ -8,14 +8,14 @@ run from any thread; every failure is a ``StreamckError``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from streamck.check import DiffResult
 from streamck.check import diff as _diff
 from streamck.check.diff import Side
-from streamck.errors import PlanError, UsageError
+from streamck.errors import UsageError
 from streamck.gcpause import paused
 from streamck.plan import Plan, Rule, Rules
 from streamck.plan.options import PlanOptions, split_options
@@ -37,7 +37,7 @@ def build_plan(source: Source, options: PlanOptions | None = None, **keywords: A
     merge, experts, quantization); ``keywords`` are SourceSpec's fields (``step``, ``key``,
     ``zero``, ``keep_tied``, ``plan``, ``hf_config``, ``verifier``, ``aux_layer_ids``) and
     PlanOptions' (``dtype="bf16"``, the older spelling) over what those say. The passes run
-    in the order streamck.plan.options.PASSES lists.
+    in the order streamck.plan.passes.PASSES lists.
 
     ``merge_lora`` names a PEFT LoRA adapter folder to merge in as PEFT's merge_and_unload
     does (``merge_engine="numpy"`` merges without torch, not bit for bit), see
@@ -59,57 +59,11 @@ def build_plan(source: Source, options: PlanOptions | None = None, **keywords: A
         raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {spec.builtin}")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in o.casts.items())
     plan_rules = Rules(rules_from(o.rules) + extra, o.dtype)
-    from streamck.plan.moe import apply_experts, keep_fp32  # only here: ls and diff do not need them
+    from streamck.plan.passes import run_passes  # only here: ls and diff do not need them
 
     with paused():  # the per-tensor objects of the plan (see streamck.gcpause)
         compiled = spec.compile(plan_rules, copy_files=o.copy_files)
-        compiled = apply_experts(keep_fp32(compiled, plan_rules), o.experts, builtin=spec.builtin)
-    if o.merge_lora is not None:
-        compiled = _merge_lora(compiled, o.merge_lora, o.safe_merge, o.merge_lora_any_base, o.merge_engine)
-    return _quant_steps(compiled, o.dtype, o.quantize, o.quantize_ignore, o.quantize_lm_head)
-
-
-def _quant_steps(plan: Plan, dtype: str | None, scheme: str | None, ignore: Sequence[str], head: bool) -> Plan:
-    """Dequantize a quantized source on ``--dtype``, or refuse a cast that would drop its scales;
-    then quantize (``--quantize``). See streamck.plan.quant."""
-    from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_kind
-    from streamck.plan.quant.plan import quantize_plan
-
-    if plan.source is not None and quantized_kind(plan) is not None:
-        if scheme is not None:
-            raise PlanError(f"--quantize: the source is already {quantized_kind(plan)}-quantized; dequantize it first")
-        if dtype is not None:
-            return dequantize_plan(plan, dtype)
-        scales = [t.name for t in plan.tensors if t.is_cast and t.name.rpartition(".")[2] in SCALE_NAMES]
-        if scales:
-            raise PlanError(
-                f"the source is {quantized_kind(plan)}-quantized: --cast would change its scales ({scales[0]}, …), "
-                "not its weights; dequantize with --dtype"
-            )
-        return plan
-    return plan if scheme is None else quantize_plan(plan, scheme, list(ignore), head)
-
-
-def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_base: bool, engine: str | None) -> Plan:
-    """``plan`` with the adapter merged in: by torch (PEFT's bits) when it is installed, else
-    by numpy (not bit for bit), which the plan's summary and notices say."""
-    from streamck.plan.lora.plan import ENGINES, merge_lora
-
-    if engine is not None and engine not in ENGINES:
-        raise UsageError(f"--merge-engine {engine}: one of {', '.join(ENGINES)}")
-    note = None
-    if engine in (None, "torch"):
-        try:
-            import torch  # noqa: F401
-        except ModuleNotFoundError:
-            if engine == "torch":
-                raise UsageError("--merge-engine torch: torch is not installed: pip install 'streamck[cast]'") from None
-            note = "torch is not installed: merging with numpy, not bit for bit (see --merge-engine)"
-    engine = engine or ("numpy" if note else "torch")
-    merged = merge_lora(plan, adapter, safe_merge=safe_merge, any_base=any_base, engine=engine)
-    if note:
-        merged.notices.append(note)
-    return merged
+    return run_passes(compiled, plan_rules, o, builtin=spec.builtin)
 
 
 def rewrite(

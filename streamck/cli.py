@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +100,7 @@ def _plan_options(args: argparse.Namespace):
         quantize=args.quantize,
         quantize_ignore=args.quantize_ignore or (),
         quantize_lm_head=args.quantize_lm_head,
+        quantize_pad_partial=args.quantize_pad_partial,
     )
 
 
@@ -137,6 +139,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(args, build_plan(_spec(args), _plan_options(args)), options)
     plans = []
+    started = time.monotonic()
     result = rewrite(
         _spec(args),
         args.output,
@@ -144,7 +147,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         write_options=options,
         on_plan=lambda plan: plans.append(_notes(plan, args.quiet)),
     )
-    _report(args, result, plans[0], options)
+    _report(args, result, plans[0], options, time.monotonic() - started)
     return 0
 
 
@@ -164,7 +167,19 @@ def _dry_run(args: argparse.Namespace, plan: Plan, options) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, result, plan: Plan, options) -> None:
+def _work(plan: Plan) -> str:
+    """What was done to the tensors, by kind: ``30 cast to bf16, 4 quantized (Fp8Block), 2 copied``."""
+    kinds: dict[str, int] = {}
+    for t in plan.tensors:
+        if t.transform is not None:
+            kind = f"computed ({t.transform.label.strip('+') or type(t.transform).__name__})"
+        else:
+            kind = f"cast to {t.dtype.lower()}" if t.is_cast else "copied"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def _report(args: argparse.Namespace, result, plan: Plan, options, seconds: float) -> None:
     """What the rewrite did: lossy casts as warnings, then one closing line (or the JSON report)."""
     for name, count in sorted(result.overflow.items()):
         print(f"streamck: warning: {name}: {count} finite values became inf in the cast", file=sys.stderr)
@@ -179,14 +194,16 @@ def _report(args: argparse.Namespace, result, plan: Plan, options) -> None:
         }
         print(json.dumps(report, indent=2, sort_keys=True))
     elif not args.quiet:
-        wrote = f"wrote {result.tensors} tensors, {human(result.total_size)} to {args.output}"
+        verb = "uploaded" if is_url(args.output) else "streamed" if args.output == "-" else "wrote"
+        wrote = f"{verb} {result.tensors} tensors, {human(result.total_size)} to {args.output}"
         if options.part is not None:
             k, n = options.part
             shards = sum(f.suffix in (".safetensors", ".bin") for f in result.files)
             wrote = f"part {k}/{n}: {shards} shards, {result.tensors} of {len(plan.tensors)} tensors, "
             wrote += f"{human(result.total_size)} of {human(plan.total_size)} to {args.output}"
         moved = f"{human(result.shared)} shared with the source, {human(result.copied)} copied"
-        print(f"{wrote} ({moved})", file=sys.stderr)
+        done = f"{_work(plan)}{', verified' if options.verify else ''}"
+        print(f"{wrote} in {seconds:.1f} s ({moved}): {done}", file=sys.stderr)
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
@@ -222,17 +239,32 @@ def _cmd_hash(args: argparse.Namespace) -> int:
     if spec.plan is None:
         from streamck.check.digest import hash_manifest
 
-        m = hash_manifest(_note(spec.open(), args.quiet))
+        ckpt = _note(spec.open(), args.quiet)
+        _refuse_source(args.output, ckpt.files)  # before the hashing, which reads every byte
+        m = hash_manifest(ckpt)
     else:
         from streamck.writer import plan_digests
 
-        m = plan_digests(_notes(spec.compile(), args.quiet))
+        plan = _notes(spec.compile(), args.quiet)
+        _refuse_source(args.output, plan.source.files if plan.source else [])
+        m = plan_digests(plan)
     text = manifest.dumps(m) if args.json else "".join(f"{e['sha256']}  {n}\n" for n, e in m["tensors"].items())
     if args.output:
-        Path(args.output).write_text(text)
+        from streamck.writer.atomic import atomic_output
+
+        with atomic_output(Path(args.output), is_dir=False, force=True) as tmp:
+            tmp.write_text(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _refuse_source(output: str | None, sources: list) -> None:
+    """``-o`` that is (or holds) a source file is refused: the manifest would replace the weights."""
+    if output:
+        from streamck.writer.atomic import refuse_source
+
+        refuse_source(Path(output), sources)
 
 
 class Interrupted(BaseException):

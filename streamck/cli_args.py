@@ -8,6 +8,7 @@ import difflib
 import re
 
 from streamck import __version__
+from streamck.registry import BUILTINS, FORMATS
 
 
 def _device(text: str) -> str:
@@ -36,6 +37,12 @@ class _AddRule(argparse.Action):
         namespace.rules = [*(namespace.rules or []), Rule(self.dest, value)]
 
 
+def _plans(option: str | None = None) -> list[str]:
+    """The built-in plans the help names (streamck.plan.BUILTINS, aliases left out), or
+    those that take ``option``."""
+    return [b.name for b in BUILTINS if b.writes and (option is None or option in b.options)]
+
+
 def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None:
     """What every command reads its source with (streamck.spec.SourceSpec's fields)."""
     group = parser.add_argument_group("source: which checkpoint, read how" + (" (both sides)" if diff else ""))
@@ -57,13 +64,13 @@ def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None
     )
     group.add_argument(
         "--plan",
-        help="a built-in plan (eagle4, eagle3, eagle3-speculators, torchtitan, megatron-gpt, olmo2) or a TOML "
-        "plan file (its rules come first); ls, diff and hash then show what the plan would write",
+        help=f"a built-in plan ({', '.join(_plans())}) or a TOML plan file (its rules come first); ls, diff and "
+        "hash then show what the plan would write",
     )
     group.add_argument(
         "--hf-config",
         metavar="FILE",
-        help="with --plan torchtitan, megatron-gpt or olmo2: the model's Hugging Face config.json (its sizes; "
+        help=f"with --plan {' or '.join(_plans('hf_config'))}: the model's Hugging Face config.json (its sizes; "
         "written beside the weights), over a config.json beside the step",
     )
     group.add_argument(
@@ -129,7 +136,7 @@ def suggest(given: list[str], known: list[str]) -> str:
     return ""
 
 
-# What every command exits with (the README's "Exit status" says the same).
+# What every command exits with (docs/commands.md, "Exit status", says the same).
 EXIT_STATUS = """exit status:
   0    done (diff: the two sides are the same)
   1    diff only: the two sides differ
@@ -153,6 +160,7 @@ def _quiet(parser: argparse.ArgumentParser, more: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: one subcommand per library entry point."""
     parser = _Parser(
         prog="streamck",
         description="Memory-streaming safetensors rewriter.",
@@ -163,12 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     parser.commands = sub.choices
 
+    _ls_parser(sub)
+    _rewrite_parser(sub)
+    _diff_parser(sub)
+    _hash_parser(sub)
+    done = sub.add_parser("completion", help="print a shell completion script (bash, zsh, fish)")
+    done.add_argument("shell", choices=SHELLS, help='e.g. eval "$(streamck completion bash)" in ~/.bashrc')
+    return parser
+
+
+def _ls_parser(sub) -> None:
     ls = sub.add_parser("ls", help="list every tensor of a checkpoint (headers only)")
     ls.add_argument("src", help="a .safetensors file or a checkpoint directory (or an s3:// URL of one)")
     ls.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _quiet(ls)
     _source_options(ls)
 
+
+def _rewrite_parser(sub) -> None:
     rw = sub.add_parser(
         "rewrite",
         help="rename, filter and cast into a new checkpoint, streaming",
@@ -180,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", help="OUT.safetensors (one file), a directory, an s3:// URL of either, or - for stdout"
     )
     _source_options(rw)
+    _rule_options(rw)
+    _plan_options(rw)
+    _output_options(rw)
+    _quiet(rw, "; no progress or summary")
+    rw.set_defaults(rules=None)
+
+
+def _rule_options(rw: argparse.ArgumentParser) -> None:
+    """The rules, applied in the order given (streamck.plan.rules), and --dtype."""
     rules = rw.add_argument_group("rules, applied in the order given")
     rules.add_argument("--strip-prefix", dest="strip_prefix", metavar="P", action=_AddRule)
     rules.add_argument("--add-prefix", dest="add_prefix", metavar="P", action=_AddRule)
@@ -202,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="cast matching floating tensors; wins over --dtype, last match wins",
     )
     rules.add_argument("--dtype", help="cast every F64/F32/F16/BF16 tensor (bf16, fp16, float32, ...)")
+
+
+def _plan_options(rw: argparse.ArgumentParser) -> None:
+    """The plan's passes beyond the rules (streamck.plan.options.PlanOptions): experts, LoRA, quantization."""
     moe = rw.add_argument_group("Mixture-of-Experts (default: per expert, as save_pretrained writes them)")
     moe_way = moe.add_mutually_exclusive_group()
     moe_way.add_argument(
@@ -245,6 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="quantize lm_head too (for servers that run it quantized); it is left out by default",
     )
+    quant.add_argument(
+        "--quantize-pad-partial",
+        action="store_true",
+        help="FP8_BLOCK: quantize a weight whose sides are no multiple of 128 padded, as model_free_ptq does "
+        "(transformers cannot load it; vLLM can); by default such a weight is left unquantized, with a note",
+    )
+
+
+def _output_options(rw: argparse.ArgumentParser) -> None:
+    """How the output is written (streamck.writer.options.WriteOptions), and what is printed."""
     rw.add_argument("--dry-run", action="store_true", help="print the compiled plan, write nothing")
     rw.add_argument(
         "--json", action="store_true", help="print the output manifest (with --dry-run) or a JSON report of the run"
@@ -258,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rw.add_argument(
         "--format",
-        choices=("safetensors", "torch"),
+        choices=[f.name for f in FORMATS],
         help="a directory output's files: model*.safetensors (default) or torch.save pytorch_model*.bin; "
         "a file output's name decides (.safetensors, or .bin/.pt/.pth)",
     )
@@ -283,9 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PROGRESS,
         help="auto (the default): a bar on a terminal, else a log line every 10 s (batch jobs); -q: none",
     )
-    _quiet(rw, "; no progress or summary")
-    rw.set_defaults(rules=None)
 
+
+def _diff_parser(sub) -> None:
     df = sub.add_parser(
         "diff",
         help="compare key sets of checkpoints or manifests (exit 1 when they differ)",
@@ -300,13 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     _quiet(df, "; nothing when the sides agree")
     _source_options(df, diff=True)
 
+
+def _hash_parser(sub) -> None:
     hs = sub.add_parser("hash", help="sha256 of every tensor, streamed")
     hs.add_argument("src", help="a .safetensors file or a checkpoint directory (or an s3:// URL of one)")
     hs.add_argument("--json", action="store_true", help="print a hash manifest (diff accepts it)")
     hs.add_argument("-o", "--output", help="write to this file instead of stdout")
     _quiet(hs)
     _source_options(hs)
-
-    done = sub.add_parser("completion", help="print a shell completion script (bash, zsh, fish)")
-    done.add_argument("shell", choices=SHELLS, help='e.g. eval "$(streamck completion bash)" in ~/.bashrc')
-    return parser

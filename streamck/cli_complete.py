@@ -133,6 +133,6 @@ SCRIPTS = {"bash": bash, "zsh": zsh, "fish": fish}
 
 def script(shell: str, parser: argparse.ArgumentParser) -> str:
     """The completion script for ``shell``, with the built-in plans as ``--plan``'s words."""
-    from streamck.plan import PLAN_FUNCTIONS
+    from streamck.registry import BUILTINS
 
-    return SCRIPTS[shell](parser, list(PLAN_FUNCTIONS))
+    return SCRIPTS[shell](parser, [b.name for b in BUILTINS])

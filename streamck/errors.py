@@ -25,6 +25,10 @@ OPTIONS = {
 }
 
 
+# What a message tells a user who lacks torch: the package itself (the registry has no streamck[cast]).
+TORCH_HINT = "pip install torch (or pip install '.[cast]' in a streamck checkout)"
+
+
 class StreamckError(Exception):
     """Bad input, a refused plan or a failed write; ``str()`` is one line a user can act on,
     ``cli()`` the same line with options spelled as the command line takes them."""

@@ -156,7 +156,7 @@ def test_ls_and_diff_never_import_torch(tmp_path):
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 def test_verify_catches_a_byte_flipped_before_verification(tmp_path, monkeypatch, dtype):
-    import streamck.writer.engine as rw
+    import streamck.writer.destination as rw  # where the write meets its target (#49)
 
     src = save(tmp_path / "s.safetensors", llama_like())
     real = rw.verify_shard
@@ -179,7 +179,7 @@ def test_verify_catches_a_byte_flipped_before_verification(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("dtype", [None, "fp16"])
 def test_cli_verify_checks_every_shard(tmp_path, monkeypatch, capsys, dtype):
-    import streamck.writer.engine as rw
+    import streamck.writer.destination as rw  # where the write meets its target (#49)
     from streamck.cli import main
 
     checked = []
@@ -202,7 +202,7 @@ def test_cli_verify_checks_every_shard(tmp_path, monkeypatch, capsys, dtype):
 
 
 def test_cli_verify_failure_leaves_nothing(tmp_path, monkeypatch, capsys):
-    import streamck.writer.engine as rw
+    import streamck.writer.destination as rw  # where the write meets its target (#49)
     from streamck.cli import main
 
     def tampered(shard, path, *rest):

@@ -279,7 +279,9 @@ def test_without_fsspec_local_runs_work_and_a_url_names_the_extra(tmp_path, serv
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]  # after the local rewrite's summary
     assert line.startswith(f"streamck: error: s3://{bucket}/m.safetensors:")
-    assert line.endswith("reading and writing URLs needs fsspec: pip install 'streamck[remote]'")
+    assert line.endswith(
+        "reading and writing URLs needs fsspec: pip install s3fs (or pip install '.[remote]' in a streamck checkout)"
+    )  # #54 item 2
 
 
 def test_broken_archives_at_urls_and_what_urls_refuse_are_one_line(tmp_path, server, bucket):

@@ -15,6 +15,7 @@ from helpers import cli, llama_like, read_all, save, save_sharded
 
 import streamck
 from streamck import PlanError, Rule, Rules, compile_plan, open_checkpoint
+from streamck.errors import TORCH_HINT  # "pip install torch …": no unpublished streamck[cast] (#54 item 2)
 from streamck.plan.eagle4.layout import BIASES, COPIED_CONFIG, TENSORS
 
 REPO = Path(streamck.__file__).resolve().parents[1]
@@ -77,11 +78,17 @@ def without_torch(*args):
 
 def test_cast_without_torch_names_the_extra(tmp_path, src):
     proc = without_torch("rewrite", str(src), "-o", str(tmp_path / "o"), "--dtype", "bf16", "--device", "cuda", "-q")
-    one_line_error(proc, "casting on cuda needs torch, which is not installed: pip install 'streamck[cast]'")
+    one_line_error(
+        proc,
+        f"casting on cuda needs torch, which is not installed: {TORCH_HINT}",
+    )
     assert not [p for p in tmp_path.iterdir() if p.name != "src"]
     proc = without_torch("rewrite", str(src), "-o", str(tmp_path / "p"), "--dtype", "bf16", "-q")
     if proc.returncode:  # CPU casts that still run through torch
-        one_line_error(proc, "casting needs torch, which is not installed: pip install 'streamck[cast]'")
+        one_line_error(
+            proc,
+            f"casting needs torch, which is not installed: {TORCH_HINT}",
+        )
 
 
 def test_device_cuda_with_nothing_to_cast_is_an_error(tmp_path, src):
@@ -90,7 +97,10 @@ def test_device_cuda_with_nothing_to_cast_is_an_error(tmp_path, src):
     GPU hidden from the child)."""
     no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = without_torch("rewrite", str(src), "-o", str(tmp_path / "o"), "--device", "cuda", "-q")
-    one_line_error(proc, "casting on cuda needs torch, which is not installed: pip install 'streamck[cast]'")
+    one_line_error(
+        proc,
+        f"casting on cuda needs torch, which is not installed: {TORCH_HINT}",
+    )
     proc = cli("rewrite", src, "-o", tmp_path / "p", "--device", "cuda:1", "-q", env=no_gpu)
     one_line_error(proc, "--device cuda:1: no usable CUDA device")
     with open(tmp_path / "stream", "wb") as stdout:

@@ -13,17 +13,15 @@ from importlib import import_module
 from streamck._lazy import lazy_getattr
 from streamck.plan.compile import OutputTensor, Plan, compile_plan
 from streamck.plan.rules import Rule, Rules, load_rules
+from streamck.registry import BUILTINS, Builtin
 
 # Built-in plan name -> (its module, its function).
-PLAN_FUNCTIONS = {
-    "eagle4": ("streamck.plan.eagle4.plan", "eagle4_plan"),
-    "eagle3": ("streamck.plan.eagle3.plan", "eagle3_plan"),
-    "eagle3-speculators": ("streamck.plan.eagle3.plan", "eagle3_speculators_plan"),
-    "torchtitan": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),
-    "torchtitan-llama3": ("streamck.plan.torchtitan.plan", "torchtitan_plan"),  # its first name, kept
-    "megatron-gpt": ("streamck.plan.megatron.plan", "megatron_plan"),
-    "olmo2": ("streamck.plan.olmo2.plan", "olmo2_plan"),
-}
+PLAN_FUNCTIONS = {b.name: (b.module, b.function) for b in BUILTINS}
+# The plans that take each of SourceSpec's plan options (refused for the others).
+VERIFIER_PLANS = frozenset(b.name for b in BUILTINS if "verifier" in b.options)
+AUX_LAYER_PLANS = frozenset(b.name for b in BUILTINS if "aux_layer_ids" in b.options)
+HF_CONFIG_PLANS = frozenset(b.name for b in BUILTINS if "hf_config" in b.options)
+
 # The plan functions as attributes of this package, imported on first use.
 _LAZY = {function: module for module, function in PLAN_FUNCTIONS.values()}
 
@@ -43,12 +41,6 @@ class _BuiltinPlans(Mapping[str, Callable[..., Plan]]):
 
 
 BUILTIN_PLANS = _BuiltinPlans()
-# Built-in plans that take --verifier (refused for the others).
-VERIFIER_PLANS = frozenset({"eagle3-speculators"})
-# Built-in plans that take --aux-layer-ids (refused for the others).
-AUX_LAYER_PLANS = frozenset({"eagle3", "eagle3-speculators"})
-# Built-in plans that take --hf-config: a trainer's checkpoint to a Hugging Face model.
-HF_CONFIG_PLANS = frozenset({"torchtitan", "torchtitan-llama3", "megatron-gpt", "olmo2"})
 
 
 __getattr__ = lazy_getattr(__name__, globals(), _LAZY)
@@ -56,9 +48,11 @@ __getattr__ = lazy_getattr(__name__, globals(), _LAZY)
 
 __all__ = [
     "AUX_LAYER_PLANS",
+    "BUILTINS",
     "BUILTIN_PLANS",
     "HF_CONFIG_PLANS",
     "VERIFIER_PLANS",
+    "Builtin",
     "OutputTensor",
     "Plan",
     "Rule",

@@ -1,7 +1,8 @@
 """What a rewrite does to the tensors: one frozen object, checked where it is made.
 
 ``PlanOptions`` sits beside ``SourceSpec`` (what is read) and ``WriteOptions`` (how it is
-written): streamck.api.build_plan compiles a SourceSpec with it, in the order of PASSES.
+written): streamck.api.build_plan compiles a SourceSpec with it, then runs the passes of
+streamck.plan.passes.
 """
 
 from __future__ import annotations
@@ -15,11 +16,6 @@ from streamck.errors import UsageError
 from streamck.plan.rules import Rule
 
 EXPERTS = ("auto", "keep", "fuse")
-# The passes a compiled plan goes through, in this order (streamck.api.build_plan): each
-# reads what the one before wrote. fp32 keeps before the experts are split (they name
-# the fused tensors); LoRA merges into the experts as save_pretrained names them; the
-# quantization steps see the merged weights.
-PASSES = ("compile", "keep_fp32", "experts", "merge_lora", "quantize")
 
 
 @dataclass(frozen=True)
@@ -31,7 +27,9 @@ class PlanOptions:
     merge_and_unload does, with ``safe_merge``, ``merge_lora_any_base`` and ``merge_engine``
     ``"torch"`` or ``"numpy"``), ``experts`` (MoE: ``"auto"`` as save_pretrained writes them,
     ``"keep"``, ``"fuse"``), and ``quantize`` (a scheme such as ``"FP8_BLOCK"``) with
-    ``quantize_ignore`` and ``quantize_lm_head`` (see streamck.plan.quant)."""
+    ``quantize_ignore``, ``quantize_lm_head`` and ``quantize_pad_partial`` (FP8_BLOCK on a width
+    no multiple of 128 written padded, as model_free_ptq writes it, rather than left
+    unquantized: see streamck.plan.quant)."""
 
     rules: tuple[Rule | Mapping[str, str], ...] = ()
     dtype: str | None = None
@@ -45,6 +43,7 @@ class PlanOptions:
     quantize: str | None = None
     quantize_ignore: Sequence[str] = ()
     quantize_lm_head: bool = False
+    quantize_pad_partial: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules or ()))
@@ -57,9 +56,11 @@ class PlanOptions:
             raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
         if self.experts not in EXPERTS:
             raise UsageError(f"experts={self.experts!r}: one of {', '.join(EXPERTS)}")
-        if (self.quantize_ignore or self.quantize_lm_head) and self.quantize is None:
-            flag = "--quantize-ignore" if self.quantize_ignore else "--quantize-lm-head"
-            raise UsageError(f"{flag} applies to --quantize only")
+        quant = {"--quantize-ignore": self.quantize_ignore, "--quantize-lm-head": self.quantize_lm_head}
+        quant["--quantize-pad-partial"] = self.quantize_pad_partial
+        stray = [flag for flag, value in quant.items() if value]
+        if stray and self.quantize is None:
+            raise UsageError(f"{stray[0]} applies to --quantize only")
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **changes: Any) -> PlanOptions:

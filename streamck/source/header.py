@@ -9,7 +9,7 @@ kept too (streamck.source.serde: containers nested at most 127 deep, numbers
 that serde_json's float reading does not overflow, anywhere, extra fields
 included), and element counts whose running product stays within 64 bits even
 before a zero dimension.
-Stricter, on purpose (README, "Differences from the reference reader"): a key
+Stricter, on purpose (docs/notes.md, "Differences from the reference reader"): a key
 given twice in any object is refused, where the reference keeps the last one or
 ignores it; an entry must be a JSON object and a dtype a string, where serde
 also takes ``["F32", [2], [0, 8]]`` and ``{"F32": null}``.

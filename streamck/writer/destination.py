@@ -230,16 +230,30 @@ def put_file(data: Path | bytes, dest: Path, replace: bool = False) -> None:
     to ``dest``, then fsync what was written."""
     if isinstance(data, bytes):
         dest.write_bytes(data)
-    elif isinstance(data, UrlPath):  # a remote side file (small: a config, a tokenizer), or a folder of them
+    elif isinstance(data, UrlPath):  # a remote side file (a config, a tokenizer, or any size), or a folder of them
         if data.is_dir():
             dest.mkdir(exist_ok=replace)
             for entry in data.iterdir():
                 put_file(entry, dest / entry.name, replace)
         else:
-            dest.write_bytes(data.read_bytes())
+            with open(dest, "wb") as out:
+                for piece in side_pieces(data):
+                    out.write(piece)
     elif data.is_dir():
         shutil.copytree(data, dest, dirs_exist_ok=replace)
     else:
         shutil.copyfile(data, dest)
     for path in [dest, *dest.rglob("*")] if dest.is_dir() else [dest]:
         fsync(path)
+
+
+SIDE_PIECE = 8 << 20  # a side file (a 256 MiB data.npz beside the weights) moves in pieces this size
+
+
+def side_pieces(path: Path | UrlPath) -> Iterator[bytes]:
+    """A side file's bytes in SIDE_PIECE pieces: never held whole, wherever it lies."""
+    from streamck.storage import open_file
+
+    with open_file(path) as f:
+        while piece := f.read(SIDE_PIECE):
+            yield piece

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamck.errors import OutputError, UsageError
+from streamck.errors import TORCH_HINT, OutputError, UsageError
 from streamck.gcpause import paused
 from streamck.plan import Plan
 from streamck.source.layout import joins_shards
@@ -177,4 +177,4 @@ def _caster(writer: ShardWriter) -> None:
         if e.name != "torch":
             raise
         what = f"casting on {writer.device}" if writer.device not in (None, "cpu") else "casting"
-        raise UsageError(f"{what} needs torch, which is not installed: pip install 'streamck[cast]'") from None
+        raise UsageError(f"{what} needs torch, which is not installed: {TORCH_HINT}") from None

@@ -38,17 +38,27 @@ class Silent:
 
 
 class Bar(Silent):
-    """A tqdm byte counter on ``out``, gone when closed."""
+    """A tqdm byte counter on ``out``, labelled with what it counts (``writing``, then
+    ``verifying``: each pass a bar of its own), left on the terminal when done."""
 
     def __init__(self, total: int, out: TextIO):
+        self.total, self.out = total, out
+        self.bar = self._bar("writing")
+
+    def _bar(self, label: str):
         from tqdm import tqdm
 
-        self.bar = tqdm(
-            total=total, unit="B", unit_scale=True, unit_divisor=1024, file=out, dynamic_ncols=True, leave=False
-        )
+        return tqdm(
+            total=self.total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=self.out,
+            dynamic_ncols=True, leave=True,
+        )  # fmt: skip
 
     def __call__(self, n: int) -> None:
         self.bar.update(n)
+
+    def phase(self, verb: str) -> None:
+        self.bar.close()
+        self.bar = self._bar(verb)
 
     def close(self) -> None:
         self.bar.close()
@@ -192,4 +202,4 @@ def reporter(
         mode = "bar" if out.isatty() else "log"
     if mode == "log":
         return Log(total, out, kinds=kinds, verify=verify, beat=True)
-    return Bar(total * (1 + verify), out) if mode == "bar" else Silent()
+    return Bar(total, out) if mode == "bar" else Silent()

