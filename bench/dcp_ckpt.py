@@ -125,19 +125,26 @@ def make_dcp(root: Path, size: int) -> dict[str, Path]:
 
 def make_dcps(jobs: list[tuple[Path, int]]) -> list[dict[str, Path]]:
     """``make_dcp`` of each (root, size), all in one launch of the ranks."""
-    import torch.multiprocessing as mp
-
     roots = [Path(r) for r, _ in jobs]
     for root in roots:
         root.mkdir(parents=True, exist_ok=True)
-    store = roots[0] / "filestore"
+    spawn_ranks(_worker, ([(str(r), n) for r, n in jobs],), roots[0] / "filestore")
+    os.sync()
+    return [{"hf": root / "hf", "dcp": root / "dcp"} for root in roots]
+
+
+def spawn_ranks(worker, args: tuple, store: Path) -> None:
+    """``worker(rank, *args, STORE)`` on WORLD spawned processes, one thread each, gloo on loopback
+    through the FileStore at ``store`` (removed before and after); this process's environment is
+    left as it was. tests/dcp_fixtures.py launches its ranks with it too."""
+    import torch.multiprocessing as mp
+
     store.unlink(missing_ok=True)
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        work = [(str(r), n) for r, n in jobs]
-        mp.start_processes(_worker, args=(work, str(store)), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(worker, args=(*args, str(store)), nprocs=WORLD, start_method="spawn")
     finally:
         for k, v in saved.items():
             if v is None:
@@ -145,8 +152,6 @@ def make_dcps(jobs: list[tuple[Path, int]]) -> list[dict[str, Path]]:
             else:
                 os.environ[k] = v
         store.unlink(missing_ok=True)
-    os.sync()
-    return [{"hf": root / "hf", "dcp": root / "dcp"} for root in roots]
 
 
 def main() -> None:

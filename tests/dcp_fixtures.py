@@ -20,11 +20,14 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import torch
 
-WORLD = 2
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from dcp_ckpt import WORLD, spawn_ranks  # 2 ranks, launched as the bench's DCP saves are
+
 STEP = 10
 
 
@@ -193,27 +196,11 @@ def make_dcp_checkpoints(root: Path) -> dict:
     files), ``automodel_dir`` (the step's ``model/``), ``run`` (the run root), ``reference``
     (the full tensors' safetensors file), ``tensors`` (name -> full tensor), ``step``.
     """
-    import torch.multiprocessing as mp
     from safetensors.torch import save_file
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    store = root / "filestore"
-    if store.exists():
-        store.unlink()
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        mp.start_processes(_worker, args=(str(root), str(store)), nprocs=WORLD, start_method="spawn")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if store.exists():
-            store.unlink()
+    spawn_ranks(_worker, (str(root),), root / "filestore")  # bench/dcp_ckpt.py's launch of the 2 ranks
     tensors = full_state()
     save_file(tensors, root / "reference.safetensors")
     model_dir = root / "run" / f"epoch_0_step_{STEP}" / "model"
@@ -230,7 +217,6 @@ def make_dcp_checkpoints(root: Path) -> dict:
 
 
 if __name__ == "__main__":  # python tests/dcp_fixtures.py OUT_DIR
-    import sys
     import time
 
     t0 = time.time()

@@ -143,7 +143,7 @@ def test_bench_and_scripts_import_no_test_module():
     root = PACKAGE.parent
     tests = {p.stem for p in (root / "tests").glob("*.py")}
     offenders = []
-    for path in [*root.glob("bench/*.py"), *root.glob("scripts/*")]:
+    for path in [*root.glob("bench/**/*.py"), *root.glob("scripts/*")]:  # bench/cases/ too
         if path.suffix not in ("", ".py") or not path.is_file():
             continue
         try:
