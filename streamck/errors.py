@@ -26,7 +26,10 @@ OPTIONS = {
 
 
 # What a message tells a user who lacks torch: the package itself (the registry has no streamck[cast]).
-TORCH_HINT = "pip install torch (or pip install '.[cast]' in a streamck checkout)"
+TORCH_HINT = (
+    "pip install torch (the CPU build: add --index-url https://download.pytorch.org/whl/cpu; "
+    "or pip install '.[cast]' in a streamck checkout)"
+)
 
 
 class StreamckError(Exception):

@@ -18,9 +18,9 @@ JOBS = {".github/workflows/checkpoint-keys.yml": "github", ".gitlab-ci.yml": "gi
 
 
 def _jobs() -> dict[str, list[str]]:
-    """Each CI file the README shows (a yaml block whose first line names it): its commands."""
+    """Each CI file docs/ci.md shows (a yaml block whose first line names it): its commands."""
     found = {}
-    for block in re.findall(r"```yaml\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+    for block in re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "ci.md").read_text(), re.S):
         name = block.splitlines()[0].removeprefix("# ")
         if name in JOBS:
             doc = yaml.safe_load(block)
@@ -69,3 +69,49 @@ def test_readme_ci_job_passes_then_fails_on_drift(name, tmp_path):
     drifted = job()
     assert drifted.returncode == 1
     assert "~ model.layers.{0..2}.w: F32 -> BF16" in drifted.stdout, drifted.stdout
+
+
+# A placeholder a reader must fill in before the example works (<owner>, <a tag or commit>).
+PLACEHOLDER = re.compile(r"<[^>\n]+>")
+
+
+def test_ci_examples_hold_no_placeholders():
+    """Issue #54: every yaml example in docs/ci.md works as written for a clone of streamck."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "ci.md").read_text(), re.S)
+    assert len(blocks) == 3  # pre-commit, GitHub Actions, GitLab CI
+    assert [PLACEHOLDER.findall(b) for b in blocks] == [[], [], []]
+
+
+def test_precommit_example_names_a_clone_and_its_commit():
+    """The pre-commit block: a local clone's path as ``repo`` (pre-commit fetches from any git
+    remote git takes, a path included), a full commit as ``rev``, and this repository's hook id."""
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "ci.md").read_text(), re.S)
+                 if b.startswith("repos:"))  # fmt: skip
+    (repo,) = yaml.safe_load(block)["repos"]
+    assert repo["repo"].startswith("/") and re.fullmatch(r"[0-9a-f]{40}", repo["rev"]), repo
+    hooks = {h["id"] for h in yaml.safe_load((REPO / ".pre-commit-hooks.yaml").read_text())}
+    assert [h["id"] for h in repo["hooks"]] == ["streamck-diff"] and "streamck-diff" in hooks
+    assert "rev-parse HEAD" in block
+
+
+def test_ci_install_line_installs_streamck_from_a_clone_in_the_project(tmp_path):
+    """The jobs' install line, run as written from a project holding a copy of this checkout at
+    the path it names (no index reached: no dependencies, no build isolation), gives a streamck."""
+    (line,) = {commands[0] for commands in _jobs().values()}
+    args = line.split()
+    assert args[:2] == ["pip", "install"] and len(args) == 3 and not args[2].startswith("-"), line
+    clone = tmp_path / args[2]
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")  # fmt: skip
+    for name in filter(None, files):
+        if (REPO / name).is_file() and not name.startswith(("tests/", "bench/")):
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            (clone / name).write_bytes((REPO / name).read_bytes())
+    site = tmp_path / "site"
+    quiet = ["-q", "--no-deps", "--no-index", "--no-build-isolation", "--target", str(site)]
+    subprocess.run([sys.executable, "-m", *args, *quiet], cwd=tmp_path, check=True, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = subprocess.run([sys.executable, "-m", "streamck", "--version"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("streamck "), done.stderr
+    assert (site / "streamck" / "__init__.py").exists()

@@ -55,7 +55,8 @@ def test_same_as_model_free_ptq(quant, tmp_path, case):  # noqa: F811
     """The defaults (the head, the embeddings, a MoE router left out), --quantize-ignore added to
     them and --quantize-lm-head: model_free_ptq with that ignore list, config.json included."""
     name, base, scheme, ignore = case
-    cli("rewrite", quant / base, "-o", tmp_path / "out", "--quantize", scheme, *FLAGS.get(name, []), check=0)
+    pad = ["--quantize-pad-partial"] if scheme == "FP8_BLOCK" else []  # as model_free_ptq pads partial blocks
+    cli("rewrite", quant / base, "-o", tmp_path / "out", "--quantize", scheme, *FLAGS.get(name, []), *pad, check=0)
     assert_same_as_ptq(tmp_path / "out", quant / name)
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert qc["ignore"] == list(ignore)
@@ -93,7 +94,7 @@ def test_partial_block_tiles_are_noted(quant, tmp_path):  # noqa: F811
 def test_keep_shards_and_verify(quant, tmp_path):  # noqa: F811
     """Sharded source, one output file per source file, every computed tensor recomputed by --verify."""
     out = tmp_path / "out"
-    args = ["--quantize-ignore", "lm_head", "--quantize-ignore", "model.embed_tokens"]
+    args = ["--quantize-ignore", "lm_head", "--quantize-ignore", "model.embed_tokens", "--quantize-pad-partial"]
     cli("rewrite", quant / "llama-sharded", "-o", out, "--quantize", "FP8_BLOCK", *args, "--keep-shards", "--verify",
         check=0)  # fmt: skip
     assert len(list(out.glob("*.safetensors"))) == len(list((quant / "llama-sharded").glob("*.safetensors"))) > 1
@@ -104,7 +105,7 @@ def test_cast_then_quantize_in_one_pass(quant, tmp_path):  # noqa: F811
     """An fp32 source with --dtype bf16 --quantize: the bf16 base's quantization, bit for bit."""
     cli("rewrite", quant / "llama", "-o", tmp_path / "f32", "--dtype", "f32", check=0)
     cli("rewrite", tmp_path / "f32", "-o", tmp_path / "out", "--dtype", "bf16", "--quantize", "fp8_block",
-        "--quantize-ignore", "lm_head", check=0)  # fmt: skip
+        "--quantize-ignore", "lm_head", "--quantize-pad-partial", check=0)  # fmt: skip
     a, b = tensors(tmp_path / "out"), tensors(quant / "llama-FP8_BLOCK")
     assert a == b
 
@@ -218,9 +219,10 @@ def test_merge_lora_then_quantize_in_one_pass(tmp_path, scheme):
     peft_merge(base, adapter, tmp_path / "merged")
     run_oracle("ptq", tmp_path / "merged", tmp_path / "oracle", scheme, *DEFAULT)
     out = tmp_path / "out"
+    pad = ["--quantize-pad-partial"] if scheme == "FP8_BLOCK" else []  # as model_free_ptq pads partial blocks
     proc = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", scheme,
-               "--quantize-ignore", "lm_head", "--verify", check=0)  # fmt: skip
+               "--quantize-ignore", "lm_head", "--verify", *pad, check=0)  # fmt: skip
     assert_same_as_ptq(out, tmp_path / "oracle")
-    dry = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", scheme, "--dry-run", check=0)
+    dry = cli("rewrite", base, "-o", out, "--merge-lora", adapter, "--quantize", scheme, "--dry-run", *pad, check=0)
     part = "weight" if scheme.startswith("FP8") else "packed"
     assert f"+LoRA {scheme} {part}" in dry.stdout, proc.stderr

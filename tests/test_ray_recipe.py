@@ -21,8 +21,8 @@ _PATHS = re.compile(r"^src, out, size, n = .*$", re.M)
 
 
 def recipe() -> str:
-    """The README's Ray block, its indentation (it sits in a list item) removed."""
-    block = _BLOCK.search((REPO / "README.md").read_text()).group(1)
+    """The Ray block of docs/commands.md (once the README's), its indentation (it sits in a list item) removed."""
+    block = _BLOCK.search((REPO / "docs" / "commands.md").read_text()).group(1)
     return "\n".join(line.removeprefix("  ") for line in block.splitlines())
 
 

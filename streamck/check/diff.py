@@ -74,7 +74,11 @@ class DiffResult:
     shape: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     digest: list[str] = field(default_factory=list)
     data: list[DataDiff] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)  # whole files whose sha256 or size differ, or on one side
+    files: list[str] = field(default_factory=list)  # whole files on both sides whose sha256 or size differ
+    # Files on one side only: another layout of the same tensors (a .bin against a safetensors
+    # manifest, resharded) has other files, which the tensors' comparison already judged.
+    files_only_a: list[str] = field(default_factory=list)
+    files_only_b: list[str] = field(default_factory=list)
     digests_compared: bool = False  # sha256 digests, where a side carried them
     data_compared: bool = False  # tensor bytes (data=True)
     files_compared: bool = False  # whole-file digests, where a manifest carried them
@@ -100,6 +104,8 @@ class DiffResult:
             "digest_changed": self.digest,
             "data_changed": [d.__dict__ for d in self.data],
             "file_changed": self.files,
+            "files_only_a": self.files_only_a,
+            "files_only_b": self.files_only_b,
             "compared": self.compared,
         }
 
@@ -131,9 +137,21 @@ class DiffResult:
             ],
         )
         section(f"file changed ({len(self.files)}):", [f"  ! {f}" for f in self.files])
+        note = self.files_note()
+        if note:
+            lines.append(note)
         if self.equal:
             lines.append(self.same())
         return "\n".join(lines)
+
+    def files_note(self) -> str | None:
+        """A line naming the files that only one side has: not a difference, since the tensors
+        in them were compared one by one (say so when they all matched)."""
+        if not (self.files_only_a or self.files_only_b):
+            return None
+        sides = [f"{s}: {', '.join(n)}" for s, n in (("a", self.files_only_a), ("b", self.files_only_b)) if n]
+        matched = " the tensors in them match," if self.equal else ""
+        return f"files on one side only ({'; '.join(sides)}):{matched} whole files not compared"
 
     def same(self) -> str:
         """What "equal" means here: which properties of the tensors were compared."""
@@ -243,13 +261,17 @@ def diff(
         result.data, result.data_compared = _compare_data(sa.checkpoint, sb.checkpoint, same_layout), True
     if not ignore:  # a file holds the ignored tensors too
         files = _compare_files(sa, sb)
-        result.files, result.files_compared = files or [], files is not None
+        if files is not None:
+            # whole files were compared only where a file of the same name is on both sides
+            result.files, result.files_only_a, result.files_only_b, common = files
+            result.files_compared = common > 0
     return result
 
 
-def _compare_files(sa: Side, sb: Side) -> list[str] | None:
-    """The files (by path under the root) whose digest or size differ, or that one side lacks;
-    None when neither side is a manifest carrying ``files`` (a checkpoint's are hashed only then)."""
+def _compare_files(sa: Side, sb: Side) -> tuple[list[str], list[str], list[str], int] | None:
+    """The files (by path under the root) on both sides whose digest or size differ, the files
+    only ``sa`` has, those only ``sb`` has, and how many both have; None when neither side is a
+    manifest carrying ``files`` (a checkpoint's are hashed only then)."""
     from streamck.check.digest import file_digests
 
     fa, fb = sa.manifest.get("files"), sb.manifest.get("files")
@@ -259,7 +281,9 @@ def _compare_files(sa: Side, sb: Side) -> list[str] | None:
     fb = fb if fb is not None else file_digests(sb.checkpoint) if sb.checkpoint is not None else None
     if fa is None or fb is None:
         return None
-    return sorted(n for n in set(fa) | set(fb) if fa.get(n) != fb.get(n))
+    common = set(fa) & set(fb)
+    changed = sorted(n for n in common if fa[n] != fb[n])
+    return changed, sorted(set(fa) - set(fb)), sorted(set(fb) - set(fa)), len(common)
 
 
 def _compare_digests(sa: Side, sb: Side, names: list[str]) -> list[str] | None:

@@ -21,6 +21,9 @@ MAGIC = (
 )
 # The start of a JSON object or array (a TOML file's ``[section]`` is not one).
 JSON_START = re.compile(r'\s*(\{\s*["}]|\[\s*[\[{"\d\]-])')
+# A Git LFS pointer's first line (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md): what a
+# clone without git-lfs, or with GIT_LFS_SKIP_SMUDGE, leaves where the weights should be.
+LFS_POINTER = "version https://git-lfs.github.com/spec/"
 # How many bytes are looked at, and how much of a text's first line is shown.
 SAMPLE, SHOWN = 512, 40
 
@@ -37,6 +40,8 @@ def looks_like(sample: bytes) -> str | None:
         text = sample[: e.start].decode("utf-8") if e.start > len(sample) - 4 else ""
     if not text or any(not (c.isprintable() or c in "\t\n\r") for c in text):
         return None
+    if text.startswith(LFS_POINTER):
+        return "a Git LFS pointer, not the file it stands for: run `git lfs pull` in its repository"
     if JSON_START.match(text):
         return "JSON text (a config or an index? give the checkpoint's directory)"
     first = text.strip().splitlines()[0] if text.strip() else ""

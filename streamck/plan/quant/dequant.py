@@ -29,6 +29,7 @@ from dataclasses import replace
 from streamck.errors import PlanError, listing
 from streamck.plan.compile import OutputTensor, Plan
 from streamck.plan.quant.layout import output_config
+from streamck.plan.quant.needs import require_torch
 from streamck.transforms.dequantize import Fp4Dequant, Fp8Dequant
 from streamck.transforms.dequantize_gptoss import GROUP_BYTES, Mxfp4ExpertsDequant, output_shape
 from streamck.transforms.fp4 import GROUP
@@ -155,6 +156,7 @@ def dequantize_plan(plan: Plan, dtype: str) -> Plan:
             f"the source is {kind}-quantized; dequantizing it is not supported (FineGrainedFP8, gpt-oss "
             "MXFP4 and compressed-tensors FP8, NVFP4 and MXFP4 only)"
         )
+    require_torch(f"dequantizing this {kind} checkpoint (--dtype {dtype})")
     grids = _grids(plan, kind) if kind != "mxfp4" else []
     by_name = {t.name: t for t in plan.tensors}
     zero = [n for n in by_name if n.endswith(".weight_zero_point")]

@@ -30,6 +30,7 @@ from streamck.plan.quant.layout import (
     output_config,
     quantization_config,
 )
+from streamck.plan.quant.needs import require_torch
 from streamck.transforms.quantize import TILE, Fp8
 
 
@@ -88,12 +89,15 @@ def _check_head(plan: Plan, modules: set[str], given: list[str]) -> None:
         raise PlanError(f"--quantize-lm-head: {why}, and the embeddings stay in their dtype; nothing to quantize")
 
 
-def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = False) -> Plan:
+def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = False, pad_partial: bool = False) -> Plan:
     """``plan`` with every target weight replaced by its quantized tensors and config.json given
     the scheme's ``quantization_config``; ``ignore`` adds to the defaults (ignore_list), ``lm_head``
-    quantizes the output head too. Raises UsageError (unknown scheme, bad pattern) or PlanError
-    (an already-quantized source, a target the scheme cannot take)."""
+    quantizes the output head too. FP8_BLOCK leaves a weight with a side no multiple of 128
+    unquantized (ignored, with a notice) unless ``pad_partial``, which writes it padded as
+    model_free_ptq computes it. Raises UsageError (unknown scheme, bad pattern, no torch) or
+    PlanError (an already-quantized source, a target the scheme cannot take)."""
     scheme = check_scheme(scheme)
+    require_torch(f"--quantize {scheme}")
     _refuse_quantized(plan)
     ignore = ignore_list(plan, ignore, lm_head)
     strategy = SCHEMES[scheme][0]
@@ -117,6 +121,8 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
             f"--quantize {scheme} takes {what}; these are not: {listing(unfit, 3)}; "
             f"leave them out with --quantize-ignore {first!r} (or a 're:' pattern)"
         )
+    if strategy == "block":
+        targets, ignore = _partial_tiles(plan, targets, tensors, ignore, pad_partial)
     count = len(targets)
     wide = [t.dtype for t in tensors if t.transform is None and t.dtype in WIDE]
     if strategy in ("tensor_group", "group") and wide:  # see WIDE
@@ -125,15 +131,14 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
             f"--quantize {scheme}: the {len(wide)} other {'/'.join(sorted(set(wide)))} tensors and config.json's "
             "dtype written in bf16, as transformers runs the FP4 weights (decompressed to bf16)"
         )
-    if strategy == "block":
-        _note_partial_tiles(plan, targets)
     if strategy in ("tensor_group", "group"):
         tensors.extend(fp4_outputs(targets, strategy, {t.name for t in plan.tensors}))
     else:
         for t in targets:
             tensors.extend(_quantized(t, strategy))
     if count == 0:
-        raise PlanError(f"--quantize {scheme}: no tensor to quantize (every weight ignored or none found)")
+        why = "every weight ignored or none found; FP8_BLOCK also leaves out sides no multiple of 128"
+        raise PlanError(f"--quantize {scheme}: no tensor to quantize ({why})")
     tensors.sort(key=lambda t: t.name)
     # A built-in plan (torchtitan, Megatron, …) writes the config it builds among its files.
     files, side = dict(plan.files), dict(plan.side_files)
@@ -157,16 +162,30 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
 WIDE = ("F32", "F64", "F16")
 
 
-def _note_partial_tiles(plan: Plan, targets: list[OutputTensor]) -> None:
-    """A notice naming FP8_BLOCK targets with a side no multiple of 128: written as model_free_ptq
-    pads them, but compressed-tensors 0.19 refuses to decompress such tiles (transformers cannot load them)."""
-    partial = [f"{t.name} {list(t.shape)}" for t in targets if t.shape[0] % TILE or t.shape[1] % TILE]
-    if partial:
-        plan.notices.append(
-            f"--quantize FP8_BLOCK: {len(partial)} weights have a side no multiple of 128 ({listing(partial, 3)}): "
-            "compressed-tensors 0.19 (transformers) cannot load their partial tiles; "
-            "--quantize-ignore them to load there"
-        )
+def _partial_tiles(
+    plan: Plan, targets: list[OutputTensor], kept: list[OutputTensor], ignore: list[str], pad: bool
+) -> tuple[list[OutputTensor], list[str]]:
+    """FP8_BLOCK targets with a side no multiple of 128: compressed-tensors 0.19 cannot decompress
+    their partial tiles, so transformers cannot load the model. By default they stay unquantized,
+    their modules added to the ignore list (what an llm-compressor user writes by hand), into
+    ``kept``; with ``pad`` they are written padded, as model_free_ptq computes them (for engines
+    that read partial tiles). A notice says which. Returns the targets left and the ignore list."""
+    partial = [t for t in targets if t.shape[0] % TILE or t.shape[1] % TILE]
+    if not partial:
+        return targets, ignore
+    named = listing([f"{t.name} {list(t.shape)}" for t in partial], 3)
+    head = f"--quantize FP8_BLOCK: {len(partial)} weights have a side no multiple of 128 ({named})"
+    if pad:
+        plan.notices.append(f"{head}: written padded; compressed-tensors 0.19 (transformers) cannot load them")
+        return targets, ignore
+    plan.notices.append(
+        f"{head}: left unquantized and added to the ignore list, since compressed-tensors 0.19 (transformers) "
+        "cannot load their partial tiles (FP8_DYNAMIC quantizes every width)"
+    )
+    kept.extend(partial)
+    modules = [t.name.rpartition(".")[0] for t in partial]
+    left = {id(t) for t in partial}
+    return [t for t in targets if id(t) not in left], list(dict.fromkeys([*ignore, *modules]))
 
 
 def _quantized(t: OutputTensor, strategy: str) -> list[OutputTensor]:
