@@ -116,8 +116,9 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_fil
     tensors.sort(key=lambda t: t.name)
     side: dict[str, Path | bytes] = {}
     summary: list[str] = []
+    linked_out: list[str] = []
     if copy_files and not checkpoint.path.is_file():  # a directory, or a repo id that resolved to one
-        side = dict(side_files(checkpoint.side_root or checkpoint.root))
+        side = dict(side_files(checkpoint.side_root or checkpoint.root, linked_out))
         if rules.dtype and "config.json" in side:
             side["config.json"], summary = _config_cast(side["config.json"], rules.dtype)
         if side:
@@ -125,6 +126,8 @@ def compile_plan(checkpoint: Checkpoint, rules: Rules | None = None, *, copy_fil
             summary.append(f"copied into a directory output: {', '.join(names)}")
     plan = Plan(tensors, metadata, source=checkpoint, summary=summary, side_files=side)
     plan.notices = rules.unused(used)
+    if linked_out:
+        plan.notices.append(f"not copied, links out of the checkpoint: {listing(linked_out)}")
     return plan
 
 

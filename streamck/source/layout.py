@@ -109,7 +109,33 @@ def _shard_path(root: Path, name: str, index_path: Path) -> Path:
     rel = Path(name)
     if rel.is_absolute() or ".." in rel.parts or not rel.parts:
         raise CheckpointError(f"shard path {name!r} escapes the checkpoint directory", index_path)
+    if escapes(root / rel, root):
+        raise CheckpointError(f"shard {name!r} is a link out of the checkpoint directory: not followed", index_path)
     return root / rel
+
+
+def _home(root: Path) -> Path:
+    """What a checkpoint at ``root`` may link within: itself, or for a Hugging Face cache
+    snapshot the whole cache entry (its files are links to ``../../blobs/``)."""
+    real = root.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def escapes(path: Path, root: Path) -> bool:
+    """Whether ``path`` in the checkpoint at ``root`` is, or lies under, a link that leads out of
+    it (a README.md linked to /proc/self/environ would copy the process's secrets into the
+    output), or one that leads nowhere. A URL has no links."""
+    if isinstance(path, UrlPath):
+        return False
+    try:
+        target = path.resolve(strict=True)
+    except FileNotFoundError:  # a missing file is the caller's to name; a link to nothing is not followed
+        return path.is_symlink()
+    except (OSError, RuntimeError):  # a loop of links
+        return True
+    return not target.is_relative_to(_home(root))
 
 
 def from_index(root: Path, index_path: Path) -> Layout:
@@ -205,14 +231,19 @@ def _automodel_step(path: Path) -> Layout | None:
     return Layout(found.root, found.shards, kind=found.kind, side_root=found.root, notes=notes)
 
 
-def side_files(root: Path) -> dict[str, Path]:
+def side_files(root: Path, linked_out: list[str] | None = None) -> dict[str, Path]:
     """What a directory output copies from ``root``, by name: every file that is not a weight,
     an index or training state (NOT_SIDE_FILES) nor hidden (temporaries, DCP's ``.metadata``),
     since loaders need files no list foresees (tokenizers, custom code); and the module
     folders a sentence-transformers ``modules.json`` names. Other folders stay behind: in a
-    training directory they are steps and optimizer state."""
+    training directory they are steps and optimizer state. A link out of the checkpoint
+    (escapes) is never followed: its name goes to ``linked_out`` instead."""
     found = {p.name: p for p in sorted(root.iterdir()) if p.is_file() and not _left_behind(p.name)}
-    return found | {d.name: d for d in _st_modules(root)}
+    found |= {d.name: d for d in _st_modules(root)}
+    links = [n for n, p in found.items() if p.is_symlink() and escapes(p, root)]
+    if linked_out is not None:
+        linked_out.extend(links)
+    return {n: p for n, p in found.items() if n not in links}
 
 
 def _left_behind(name: str) -> bool:
@@ -343,4 +374,22 @@ def find_layout(path: Path) -> Layout:
     if found:
         listed = ", ".join(map(str, found))
         raise CheckpointError(f"a training run root with steps {listed}: pick one with --step N or --step latest", path)
-    raise CheckpointError(f"no weights here (looked for {', '.join(INDEX_NAMES + SHARD_GLOBS)})", path)
+    raise no_weights(path)
+
+
+# torch.save files a folder may hold, each readable when given itself (a folder of them is not
+# one checkpoint: they may be a model, its EMA, a step each); training state is none of them.
+TORCH_FILES = ("*.pt", "*.pth", "*.bin", "*.ckpt")
+TRAINING_STATE = ("optimizer*", "scheduler*", "rng_state*", "random_states*", "training_args.bin")
+
+
+def no_weights(path: Path) -> CheckpointError:
+    """The error for a folder holding no weights streamck finds by itself: what was looked for,
+    and the torch files here that it reads when given one (``streamck ls DIR/model.pt``)."""
+    looked = f"no weights here (looked for {', '.join(INDEX_NAMES + SHARD_GLOBS)})"
+    names = sorted({p.name for g in TORCH_FILES for p in path.glob(g) if p.is_file()})
+    names = [n for n in names if not any(fnmatch.fnmatchcase(n, g) for g in TRAINING_STATE)]
+    if not names:
+        return CheckpointError(looked, path)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return CheckpointError(f"{looked}; torch files here, each read when given itself: {shown}", path)

@@ -29,7 +29,7 @@ BLOCK = 4 << 20  # a read at least this long is split over the requests in fligh
 GAP = 64 << 10  # bytes between two short reads fetched (and dropped) rather than paid a request for
 CHUNK = 1 << 20  # what one read of a GET's body asks for
 FILE_BUFFER = 8 << 10  # what one small read of a pickle or zip directory fetches (a DCP blob: its tensor follows)
-EXTRA = "pip install 'streamck[remote]'"
+EXTRA = "pip install s3fs (or pip install '.[remote]' in a streamck checkout)"
 
 
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
@@ -209,7 +209,7 @@ class RemoteSource:
 
     def __init__(self, url: PurePosixPath, fs, size: int):
         self.url, self.fs, self.size = url, fs, size
-        self._ranged = _s3_ranged(fs)  # None: fsspec's cat_file
+        self._ranged = _s3_ranged(fs) or _http_ranged(fs)  # None: fsspec's cat_file
         self._pool: ThreadPoolExecutor | None = None
         self._ahead = concurrency()
 
@@ -223,12 +223,17 @@ class RemoteSource:
         return cls(url, filesystem(url), int(found["size"]))
 
     def get(self, start: int, end: int) -> bytes | bytearray:
-        """The bytes ``[start, end)``, all of them, in one request."""
+        """The bytes ``[start, end)``, all of them, in one request. Where the request is ours
+        (s3, HTTP), the body is read to what was asked and no further, and a server that
+        answers with the whole file instead of the range is said to ignore ranges."""
         with remote_errors(self.url):
-            if end - start >= BLOCK and self._ranged is not None:
-                data = self._ranged(self.url.key, start, end)
-            else:
-                data = self.fs.cat_file(self.url.key, start=start, end=end)
+            try:
+                if self._ranged is not None:
+                    data = self._ranged(self.url.key, start, end)
+                else:
+                    data = self.fs.cat_file(self.url.key, start=start, end=end)
+            except RangeIgnored as e:
+                raise CheckpointError(str(e), self.url) from None
         if len(data) != end - start:
             raise CheckpointError("file ended before its last tensor's bytes (truncated?)", self.url)
         return data
@@ -311,6 +316,21 @@ def open_file(source: RemoteSource, base: int = 0, length: int | None = None, ow
     return io.BufferedReader(Window(source, base, length, owned), FILE_BUFFER)
 
 
+class RangeIgnored(Exception):
+    """A ranged GET answered with something else than the range (a 200 with the whole file)."""
+
+    def __init__(self, status: object, start: int, end: int):
+        super().__init__(
+            f"the server ignores Range requests (bytes {start}-{end - 1} answered with {status}, not 206 and "
+            "the range): streamck reads a checkpoint by ranges, never whole; serve it from one that honours them"
+        )
+
+
+def _whole(start: int, wanted: int, length: int | None) -> bool:
+    """Whether an answer that is not a range is still exactly the bytes asked for (the whole file from 0)."""
+    return start == 0 and length == wanted
+
+
 def _s3_ranged(fs):
     """s3fs's ranged GET, its body read as it arrives into one buffer of the range's size (or
     None, for other filesystems and s3fs releases without the calls used): ``cat_file`` gathers
@@ -326,6 +346,12 @@ def _s3_ranged(fs):
         ranged = f"bytes={start}-{start + len(out) - 1}"
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=ranged, **versioned)
         body, at = resp["Body"], 0
+        if not str(resp.get("ContentRange", "")).startswith(f"bytes {start}-"):
+            if not _whole(start, len(out), resp.get("ContentLength")):
+                body.close()  # not a byte more of it
+                raise RangeIgnored(
+                    resp.get("ResponseMetadata", {}).get("HTTPStatusCode", "no range"), start, start + len(out)
+                )
         try:
             while at < len(out):
                 chunk = await body.read(min(CHUNK, len(out) - at))
@@ -341,5 +367,38 @@ def _s3_ranged(fs):
         bucket, key, version = fs.split_path(path)
         out = bytearray(end - start)
         return sync(fs.loop, wrapper, read_into, args=(bucket, key, version, start, out), retries=fs.retries)
+
+    return ranged
+
+
+def _http_ranged(fs):
+    """fsspec's HTTP filesystem's ranged GET, its body read as it arrives into a buffer of the
+    range's size and no further (or None for other filesystems): its ``cat_file`` reads a
+    body whole, and a server that ignores ``Range`` sends the whole file for an 8-byte read."""
+    if not (hasattr(fs, "set_session") and hasattr(fs, "encode_url") and hasattr(fs, "loop")):
+        return None
+    from fsspec.asyn import sync
+
+    async def read_into(url: str, start: int, out: bytearray) -> bytearray:
+        session = await fs.set_session()
+        kw = {k: v for k, v in fs.kwargs.items() if k != "headers"}
+        headers = {**fs.kwargs.get("headers", {}), "Range": f"bytes={start}-{start + len(out) - 1}"}
+        async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+            if r.status == 404:
+                raise FileNotFoundError(2, "No such file or directory", url)
+            r.raise_for_status()
+            if r.status != 206 and not _whole(start, len(out), r.content_length):
+                raise RangeIgnored(r.status, start, start + len(out))  # leaving the block drops the connection
+            at = 0
+            while at < len(out):
+                chunk = await r.content.read(min(CHUNK, len(out) - at))
+                if not chunk:
+                    break
+                out[at : at + len(chunk)] = chunk
+                at += len(chunk)
+        return out if at == len(out) else out[:at]
+
+    def ranged(url: str, start: int, end: int) -> bytearray:
+        return sync(fs.loop, read_into, url, start, bytearray(end - start))
 
     return ranged

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+HTTP = ("http", "https")
 
 
 def is_url(text: object) -> bool:
@@ -38,8 +39,10 @@ class UrlPath(PurePosixPath):
 
     @property
     def key(self) -> str:
-        """The URL without its scheme (``bucket/dir/file``), as fsspec names it."""
-        return "/".join(self.parts[1:])
+        """The URL as fsspec names it: without its scheme (``bucket/dir/file``), except over
+        HTTP(S), whose filesystem takes the whole URL (a host alone is no URL to it)."""
+        rest = "/".join(self.parts[1:])
+        return f"{self.scheme}://{rest}" if self.scheme in HTTP else rest
 
     # What the readers of layouts and side files ask of a path, asked of the server
     # (streamck.storage.remote): each from its folder's listing, one request that fsspec

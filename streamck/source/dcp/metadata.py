@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from streamck.errors import CheckpointError
 from streamck.source.dcp.sharded import int_tuple
+from streamck.source.torchzip import bounds
 from streamck.source.torchzip.archive import MAX_PICKLE
 from streamck.source.torchzip.unpickle import TORCH_DTYPES
 from streamck.storage import open_file
@@ -145,9 +146,19 @@ def _load(path: Path) -> _Metadata:
     if len(raw) > MAX_PICKLE:
         raise CheckpointError(f"above the {MAX_PICKLE}-byte cap", path)
     try:
+        bounds.check(raw, bounds.MAX_METADATA_OPCODES)  # judged before the unpickler builds any of it
         md = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError, KeyError) as e:
-        raise CheckpointError(f"refused: {e}", path) from None
+    except (
+        pickle.UnpicklingError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        EOFError,
+        IndexError,
+        KeyError,
+        RecursionError,
+    ) as e:
+        raise CheckpointError(f"refused: {bounds.one_line(e)}", path) from None
     if not isinstance(md, _Metadata):
         raise CheckpointError(f"holds a {type(md).__name__}, not DCP Metadata", path)
     if not isinstance(getattr(md, "state_dict_metadata", None), dict):
@@ -212,7 +223,20 @@ def _storage_map(md: _Metadata, directory: Path, md_path: Path) -> dict[tuple[st
             raise CheckpointError(f"{fqn!r}: two storage records for the chunk at {offset}", md_path)
         rel = _relative(getattr(info, "relative_path", None), directory, md_path)
         out[key] = Location(rel, start, length, getattr(info, "transform_descriptors", None))
+    _short_records(out, md_path)
     return out
+
+
+MIN_BLOB = 22  # a zip's end record alone: no torch.save archive (every blob is one) is shorter
+
+
+def _short_records(where: dict[tuple[str, tuple[int, ...] | None], Location], md_path: Path) -> None:
+    """Refuse storage records shorter than any archive: native._disjoint refuses records that
+    share bytes, but records of no bytes share none, and a .metadata could name a million of
+    them (each read on its own, a few hundred µs apiece) backed by no file at all."""
+    for (fqn, _), loc in where.items():
+        if loc.length < MIN_BLOB:
+            raise CheckpointError(f"{fqn!r}: a {loc.length}-byte storage record, shorter than any archive", md_path)
 
 
 class Chunk(NamedTuple):

@@ -19,21 +19,40 @@ from streamck.dtypes import BITS
 from streamck.errors import CheckpointError, Info, listing
 from streamck.source.header import Header, TensorRef
 from streamck.source.sniff import SAMPLE, looks_like
+from streamck.source.torchzip import bounds
 from streamck.source.torchzip.keys import select
 from streamck.source.torchzip.unpickle import LEGACY_HINT, Lazy, Storage, WeightsOnly, describe
 from streamck.storage import open_file
 
 MAX_PICKLE = 256 << 20  # a state dict of 100,000 tensors pickles to ~20 MB
 MAX_DEPTH = 100  # dicts and lists nested deeper are hostile (or cyclic), not a state dict
+# Entries a pickled state dict flattens to, containers' included: a pickle that shares one list
+# between many others (a "billion laughs") names far more than it holds. A state dict of
+# 100,000 tensors with its optimizer state is about a million.
+MAX_ENTRIES = 1 << 23
+# A view whose elements overlap (stride 0: an expanded tensor) reads more bytes than its storage
+# holds, each gathered: at most this many times the storage (or 64 MiB), not 2**80 elements.
+MAX_OVERLAP = 64
+MAX_SMALL_RECORD = 4096  # byteorder, version: a few bytes each
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 
-def _read_record(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> bytes:
-    """A small record's bytes, CRC-checked; every way the archive can fail is one CheckpointError."""
+def _read_record(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path, cap: int) -> bytes:
+    """A record's bytes, CRC-checked, at most ``cap`` of them; every way the archive can fail is
+    one CheckpointError. Read to the size the directory gives, never more: ``ZipFile.read``
+    inflates a deflated record whole in one call before cutting it there (a 2 MiB record of
+    zeros is 2 GiB in memory)."""
     if info.flag_bits & 1:
         raise CheckpointError(f"archive record {info.filename} is encrypted", path)
+    if info.file_size > cap:
+        size = info.file_size
+        raise CheckpointError(f"archive record {info.filename} is {size} bytes, above the {cap}-byte cap", path)
     try:
-        return z.read(info)
+        with z.open(info) as f:
+            data = f.read(info.file_size)  # each inflate step bounded by what is left to read
+            if len(data) != info.file_size:
+                raise EOFError(f"{len(data)} of its {info.file_size} bytes")
+            return data
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"broken zip archive: cannot read {info.filename}: {e}", path) from None
 
@@ -88,16 +107,17 @@ def load_archive(
     prefix = pkl[: -len("data.pkl")]
     if records[pkl].file_size > MAX_PICKLE:
         raise CheckpointError(f"data.pkl is {records[pkl].file_size} bytes, above the cap", path)
-    order = (
-        _read_record(z, records[prefix + "byteorder"], path).strip() if prefix + "byteorder" in records else b"little"
-    )
+    order = records.get(prefix + "byteorder")
+    order = _read_record(z, order, path, MAX_SMALL_RECORD).strip() if order else b"little"
     if order != b"little":
-        raise CheckpointError(f"byte order {order.decode(errors='replace')!r} is not supported", path)
-    loader = unpickler(_read_record(z, records[pkl], path))
+        raise CheckpointError(f"byte order {order.decode(errors='replace')[:20]!r} is not supported", path)
+    raw = _read_record(z, records[pkl], path, MAX_PICKLE)
+    loader = unpickler(raw)
     try:
+        bounds.check(raw)  # what it would cost, judged before the unpickler builds any of it
         obj = loader.load()
-    except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as e:
-        raise CheckpointError(f"data.pkl refused: {e}", path) from None
+    except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError, RecursionError) as e:
+        raise CheckpointError(f"data.pkl refused: {bounds.one_line(e)}", path) from None
     return obj, loader.storages, records, prefix
 
 
@@ -138,18 +158,25 @@ def read_torch_zip(path: Path, key: str | None = None, notices: list[str] | None
     return Header(tensors, {}, 0)
 
 
-def flatten(obj: dict | list | tuple, path: Path, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict:
+def flatten(
+    obj: dict | list | tuple, path: Path, prefix: str = "", out: dict | None = None, depth: int = 0, seen=None
+) -> dict:
     """Every leaf under ``obj`` by its keys and indices joined with dots, as
-    torch.distributed.checkpoint's flatten_state_dict names them."""
+    torch.distributed.checkpoint's flatten_state_dict names them. At most MAX_ENTRIES entries
+    are visited (``seen``: the count so far, shared down the recursion)."""
     out = {} if out is None else out
+    seen = [0] if seen is None else seen
     if depth > MAX_DEPTH:
         raise CheckpointError(f"containers nested more than {MAX_DEPTH} deep under {prefix[:80]!r}", path)
+    seen[0] += len(obj)
+    if seen[0] > MAX_ENTRIES:
+        raise CheckpointError(f"more than {MAX_ENTRIES} entries once nested containers are flattened", path)
     for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
         if type(k) not in (str, int):
             raise CheckpointError(f"state dict key {describe(k)} is not a string or an integer", path)
         name = f"{prefix}{k}"
         if isinstance(v, dict | list | tuple):
-            flatten(v, path, name + ".", out, depth + 1)
+            flatten(v, path, name + ".", out, depth + 1, seen)
         elif name in out:
             raise CheckpointError(f"two entries are named {name!r} once nested keys are joined with dots", path)
         else:
@@ -177,4 +204,10 @@ def tensor_ref(name: str, t: Lazy, where: tuple[int, int], path: Path) -> Tensor
             contiguous = False
         expect *= d
     strides = None if contiguous or numel == 0 else t.stride
+    if strides is not None and numel * item > max(size * MAX_OVERLAP, 1 << 26):
+        raise CheckpointError(
+            f"tensor {name!r}: a view of {numel * item} bytes over a {size}-byte storage (its elements overlap, "
+            "as an expanded tensor's do): save it with .contiguous()",
+            path,
+        )
     return TensorRef(name, t.dtype, t.size, path, first, first + numel * item, strides)

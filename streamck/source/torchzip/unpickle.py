@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import reprlib
 
 from streamck.dtypes import TORCH
 
@@ -66,6 +67,14 @@ rebuild_tensor = _rebuild_tensor_v2  # for the unpicklers that extend WeightsOnl
 
 def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
     return Lazy(storage, offset, size, stride, str(dtype))
+
+
+def size(seq=()) -> tuple[int, ...]:
+    """``torch.Size``: a tuple of ints, never of anything else (a reducer returning a tuple of
+    what the pickle gives it could nest tuples past what streamck.source.torchzip.bounds saw)."""
+    if not (isinstance(seq, list | tuple) and all(type(x) is int for x in seq)):
+        raise pickle.UnpicklingError(f"torch.Size of {short(seq, 60)}")
+    return tuple(seq)
 
 
 def _rebuild_parameter(data, requires_grad=False, hooks=None, state=None):
@@ -137,7 +146,7 @@ class WeightsOnly(pickle.Unpickler):
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+            raise pickle.UnpicklingError(f"unexpected persistent id {short(pid, 80)}")
         _, dtype, key, _location, _numel = pid
         storage = self.storages.get(key)
         if storage is None:
@@ -151,4 +160,14 @@ def describe(value: object) -> str:
         return "a tensor"
     if isinstance(value, Storage):
         return "a storage"
-    return f"{value!r:.60}"
+    return short(value, 60)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 4, 60, 60
+
+
+def short(value: object, width: int) -> str:
+    """``repr(value)`` cut at ``width``, never built whole: a value nested a million deep, or a
+    list of millions, is a few levels and items of it (``((((...),),),)``)."""
+    return f"{_SHORT.repr(value):.{width}}"

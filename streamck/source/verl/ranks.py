@@ -20,7 +20,7 @@ from typing import NamedTuple
 from streamck.errors import CheckpointError
 from streamck.source.torchzip.archive import load_archive, storage_starts, tensor_ref
 from streamck.source.torchzip.inert import Opaque, stub
-from streamck.source.torchzip.unpickle import Lazy, WeightsOnly, rebuild_tensor
+from streamck.source.torchzip.unpickle import Lazy, WeightsOnly, rebuild_tensor, size
 from streamck.storage import open_file
 
 # The modules of DTensor's spec and mesh classes (torch 2.4 to 2.13): every class there is
@@ -86,7 +86,7 @@ class _VerlPickle(WeightsOnly):
         if module in _SPEC_MODULES:
             return stub(module, name)
         if module == "torch" and name == "Size":
-            return tuple
+            return size
         if (module, name) in (("torch", "device"), ("torch.serialization", "_get_layout")):
             return _plain
         return super().find_class(module, name)

@@ -18,7 +18,7 @@ from streamck.errors import CheckpointError
 from streamck.source.runs import Tile
 from streamck.source.torchzip.archive import data_offset, load_archive
 from streamck.source.torchzip.inert import NAMED_TYPES, PLAIN, TYPING, Opaque, is_data_only, stub
-from streamck.source.torchzip.unpickle import Lazy, WeightsOnly, rebuild_tensor
+from streamck.source.torchzip.unpickle import Lazy, WeightsOnly, rebuild_tensor, size
 from streamck.storage import ByteSource, open_file, open_source
 
 _TENSOR_TYPES = {
@@ -49,7 +49,7 @@ class _ZeroPickle(WeightsOnly):
         if (module, name) in TYPING:
             return stub(module, name)
         if module == "torch" and name == "Size":
-            return tuple
+            return size
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
             return _rebuild_from_type_v2
         if (module, name) in _TENSOR_TYPES:

@@ -7,6 +7,7 @@ files, a missing or extra rank file, and partitions of mixed dtypes."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -39,11 +40,12 @@ def open_save(step_dir: Path) -> ZeroSave:
     first = RankFile(optim[0])
     osd, stage, count = _partitioning(first)
     world = count[0] if isinstance(count, list) else count
-    missing = [r for r in range(world) if r not in optim]
+    # A count claimed by the file (2**40 ranks) is never spelled out: the first few missing, and how many.
+    missing = [str(r) for r in itertools.islice((r for r in range(world) if r not in optim), 8)]
     if missing:
-        raise CheckpointError(
-            f"rank file(s) for rank {listing([str(r) for r in missing])} missing: world size is {world}", step_dir
-        )
+        absent = world - sum(r < world for r in optim)
+        shown = ", ".join(missing) + (f", … ({absent} in all)" if absent > len(missing) else "")
+        raise CheckpointError(f"rank file(s) for rank {shown} missing: world size is {world}", step_dir)
     if len(optim) != world:
         raise CheckpointError(f"{len(optim)} optimizer rank files for a world size of {world}", step_dir)
     ranks = [first] + [RankFile(optim[r]) for r in range(1, world)]
