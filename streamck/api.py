@@ -23,7 +23,7 @@ from streamck.plan.rules import rules_from
 from streamck.source import Checkpoint
 from streamck.source.checkpoint import resolve_step
 from streamck.spec import SourceSpec
-from streamck.storage import location
+from streamck.storage import location, requests_in_flight
 from streamck.writer import WriteResult
 from streamck.writer.options import WriteOptions
 
@@ -61,9 +61,10 @@ def build_plan(source: Source, options: PlanOptions | None = None, **keywords: A
     plan_rules = Rules(rules_from(o.rules) + extra, o.dtype)
     from streamck.plan.passes import run_passes  # only here: ls and diff do not need them
 
-    with paused():  # the per-tensor objects of the plan (see streamck.gcpause)
-        compiled = spec.compile(plan_rules, copy_files=o.copy_files)
-    return run_passes(compiled, plan_rules, o, builtin=spec.builtin)
+    with requests_in_flight(spec.remote_concurrency):
+        with paused():  # the per-tensor objects of the plan (see streamck.gcpause)
+            compiled = spec.compile(plan_rules, copy_files=o.copy_files)
+        return run_passes(compiled, plan_rules, o, builtin=spec.builtin)
 
 
 def rewrite(
@@ -102,10 +103,12 @@ def rewrite(
 
     read, changes, written = split_options(keywords, SourceSpec, PlanOptions, WriteOptions)
     write_options = WriteOptions.of(write_options, **written)  # its mistakes before the source is read
-    compiled = build_plan(SourceSpec.of(source, **read), PlanOptions.of(plan_options, **changes))
-    if on_plan is not None:
-        on_plan(compiled)
-    return writer.write_plan(compiled, output, write_options)
+    spec = SourceSpec.of(source, **read)
+    with requests_in_flight(spec.remote_concurrency):  # for the reads and the uploads alike
+        compiled = build_plan(spec, PlanOptions.of(plan_options, **changes))
+        if on_plan is not None:
+            on_plan(compiled)
+        return writer.write_plan(compiled, output, write_options)
 
 
 def manifest_of(spec: SourceSpec) -> tuple[dict[str, Any], Checkpoint | None, Plan | None]:
@@ -131,7 +134,9 @@ def ls(source: Source, **read: Any) -> dict[str, Any]:
     >>> streamck.ls(f"{d}/m.safetensors")["total_size"]
     4
     """
-    return manifest_of(SourceSpec.of(source, **read))[0]
+    spec = SourceSpec.of(source, **read)
+    with requests_in_flight(spec.remote_concurrency):
+        return manifest_of(spec)[0]
 
 
 def diff(
@@ -160,8 +165,9 @@ def diff(
     [2]
     """
     zero_a, zero_b = zero if isinstance(zero, tuple) else (zero, zero)
-    sides = [load_side(SourceSpec.of(x, zero=z, **read)) for x, z in ((a, zero_a), (b, zero_b))]
-    return _diff(*sides, ignore=tuple(ignore), data=data)
+    specs = [SourceSpec.of(x, zero=z, **read) for x, z in ((a, zero_a), (b, zero_b))]
+    with requests_in_flight(read.get("remote_concurrency")):
+        return _diff(*map(load_side, specs), ignore=tuple(ignore), data=data)
 
 
 def load_side(spec: SourceSpec) -> Side:
@@ -194,11 +200,12 @@ def hash(source: Source, **read: Any) -> dict[str, Any]:
     from streamck.check.digest import hash_manifest
 
     spec = SourceSpec.of(source, **read)
-    if spec.plan is None:
-        return hash_manifest(spec.open())
-    from streamck.writer import plan_digests
+    with requests_in_flight(spec.remote_concurrency):
+        if spec.plan is None:
+            return hash_manifest(spec.open())
+        from streamck.writer import plan_digests
 
-    return plan_digests(spec.compile())
+        return plan_digests(spec.compile())
 
 
 def export_eagle4_draft(

@@ -18,7 +18,7 @@ from streamck.cli_args import build_parser
 from streamck.cli_show import print_checkpoint, print_plan
 from streamck.errors import Info, StreamckError, UsageError
 from streamck.source.producers import plan_hint
-from streamck.storage import is_url
+from streamck.storage import is_url, requests_in_flight
 from streamck.units import human, is_bare_bytes
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ def _spec(args: argparse.Namespace, path: str | None = None, zero: bool | None =
         hf_config=args.hf_config,
         verifier=args.verifier,
         aux_layer_ids=args.aux_layer_ids,
+        remote_concurrency=args.remote_concurrency,
     )
 
 
@@ -306,13 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
-        chosen = getattr(args, "remote_concurrency", None)
-        if chosen is not None or "streamck.storage.remote" in sys.modules:  # not imported: nothing to reset
-            from streamck.storage.remote import set_concurrency
-
-            set_concurrency(chosen)  # None: the env's, or the default (an earlier call's does not stick)
         # The CLI owns the process: SIGTERM/SIGHUP unwind like Ctrl-C, so outputs are cleaned up.
-        with signals_as_exceptions():
+        with signals_as_exceptions(), requests_in_flight(getattr(args, "remote_concurrency", None)):
             code = COMMANDS[args.command](args)
             sys.stdout.flush()  # a closed pipe shows here rather than in the flush at exit
         return code

@@ -37,6 +37,8 @@ class SourceSpec:
     ``keep_tied`` are open_checkpoint's. ``plan`` names a built-in plan (``"megatron-gpt"``)
     or a TOML plan file whose rules run first; ``hf_config`` (torchtitan, megatron),
     ``verifier`` (eagle3-speculators) and ``aux_layer_ids`` (eagle3) are a built-in plan's options.
+    ``remote_concurrency`` is the requests in flight per file of a URL, read or written, for the
+    calls given this spec (streamck.storage.requests_in_flight; None: the environment's or 4).
     """
 
     path: PathLike | Checkpoint
@@ -48,6 +50,7 @@ class SourceSpec:
     hf_config: PathLike | None = None
     verifier: str | None = None
     aux_layer_ids: Sequence[int] | str | None = None
+    remote_concurrency: int | None = None
 
     @classmethod
     def of(cls, source: PathLike | Checkpoint | SourceSpec, **options) -> SourceSpec:

@@ -4,9 +4,13 @@ fails midway (#55 item 3), and a large side file goes up and comes down in piece
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
-from helpers import llama_like, save, save_sharded
+from helpers import REPO, llama_like, save, save_sharded
 
 s3_server = pytest.importorskip("s3_server")
 pytest.importorskip("s3fs")
@@ -56,3 +60,25 @@ def test_a_large_side_file_moves_in_pieces(tmp_path, server, bucket):
     assert grew[0] < 96 and grew[1] < 96, (base >> 20, grew)  # MiB
     assert server.fs().cat(f"{bucket}/side/data.npz") == blob
     assert (tmp_path / "down" / "data.npz").read_bytes() == blob
+
+
+def test_the_concurrency_is_the_calls_own(tmp_path, server, bucket):
+    """``SourceSpec(remote_concurrency=1)`` holds for that call alone (#49: no option sets
+    process-wide state): one connection for it; in the same process, the next call without it
+    opens several again. A child of its own, so that its s3fs goes through the counting proxy."""
+    save(tmp_path / "big.safetensors", {"w": np.ones((4096, 4096), np.float32)})
+    server.fs().put(str(tmp_path / "big.safetensors"), f"{bucket}/big.safetensors")
+    url = f"s3://{bucket}/big.safetensors"
+    child = (
+        "import sys, streamck\n"
+        "for i, n in enumerate(sys.argv[2:]):\n"
+        "    spec = streamck.SourceSpec(sys.argv[1], remote_concurrency=int(n) if n != '-' else None)\n"
+        f"    streamck.rewrite(spec, {str(tmp_path)!r} + f'/c{{i}}.safetensors', force=True)\n"
+    )
+    made = []
+    for ns in (["1"], ["1", "-"]):
+        server.proxy.reset()
+        env = {**os.environ, **server.env(counted=True), "PYTHONPATH": str(REPO)}
+        subprocess.run([sys.executable, "-c", child, url, *ns], check=True, env=env, timeout=300)
+        made.append(server.proxy.connections)
+    assert made[0] == 1 and made[1] >= 4, made  # 1, then 1 + several

@@ -34,21 +34,16 @@ EXTRA = "pip install s3fs (or pip install '.[remote]' in a streamck checkout)"
 
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
 _threshold_set = False
-_chosen: int | None = None  # set_concurrency's: the CLI's --remote-concurrency
-
-
-def set_concurrency(n: int | None) -> None:
-    """Make ``n`` requests in flight per file the rule for this process (None: back to the default)."""
-    global _chosen
-    if n is not None and n < 1:
-        raise UsageError(f"remote concurrency {n}: must be at least 1")
-    _chosen = n
 
 
 def concurrency() -> int:
-    """Requests in flight per file: set_concurrency's, else ``STREAMCK_REMOTE_CONCURRENCY``, else CONCURRENCY."""
-    if _chosen is not None:
-        return _chosen
+    """Requests in flight per file: the current call's (streamck.storage.requests_in_flight),
+    else ``STREAMCK_REMOTE_CONCURRENCY``, else CONCURRENCY."""
+    from streamck.storage import REQUESTS
+
+    chosen = REQUESTS.get()
+    if chosen is not None:
+        return chosen
     raw = os.environ.get(CONCURRENCY_ENV, "")
     try:
         value = int(raw) if raw else CONCURRENCY
