@@ -100,12 +100,15 @@ def rewrite(
     {'w': {'dtype': 'BF16', 'shape': [2, 3]}}
     """
     from streamck import writer
+    from streamck.writer import formats
 
     read, changes, written = split_options(keywords, SourceSpec, PlanOptions, WriteOptions)
     write_options = WriteOptions.of(write_options, **written)  # its mistakes before the source is read
-    spec = SourceSpec.of(source, **read)
+    spec, plan_options = SourceSpec.of(source, **read), PlanOptions.of(plan_options, **changes)
+    fmt, _ = formats.choose(write_options.format, os.fspath(output))
+    plan_options, write_options = formats.route_types(fmt, plan_options, write_options)  # GGUF's --outtype
     with requests_in_flight(spec.remote_concurrency):  # for the reads and the uploads alike
-        compiled = build_plan(spec, PlanOptions.of(plan_options, **changes))
+        compiled = build_plan(spec, plan_options)
         if on_plan is not None:
             on_plan(compiled)
         return writer.write_plan(compiled, output, write_options)

@@ -126,7 +126,7 @@ def _write_options(args: argparse.Namespace):
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
-    from streamck.api import build_plan, rewrite
+    from streamck.api import rewrite
 
     # Argument mistakes are said before the checkpoint is indexed (a large one takes a while).
     if not args.dry_run and args.output is None:
@@ -138,7 +138,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         n = args.max_shard_size.strip()
         print(f"streamck: note: --max-shard-size {n} is {n} bytes; write {n}MB or {n}GB for more", file=sys.stderr)
     if args.dry_run:
-        return _dry_run(args, build_plan(_spec(args), _plan_options(args)), options)
+        return _dry_run(args, _plan_options(args), options)
     plans = []
     started = time.monotonic()
     result = rewrite(
@@ -152,13 +152,16 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(args: argparse.Namespace, plan: Plan, options) -> int:
-    """``--dry-run``: the plan's notices, then the plan (refused as writing it would be)."""
+def _dry_run(args: argparse.Namespace, plan_options, options) -> int:
+    """``--dry-run``: the plan's notices, then the plan as the output's format writes it
+    (refused as writing it would be)."""
+    from streamck.api import build_plan
     from streamck.writer import formats
 
-    _notes(plan, args.quiet)
+    fmt, _ = formats.choose(options.format, args.output or "-")
+    plan_options, options = formats.route_types(fmt, plan_options, options)
+    plan = _notes(build_plan(_spec(args), plan_options), args.quiet)
     if args.output and args.output != "-":
-        fmt, _ = formats.choose(options.format, args.output)
         plan = fmt.prepare(plan, options)
         fmt.check(plan, options, args.output)  # as writing would
     if args.json:

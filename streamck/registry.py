@@ -81,4 +81,5 @@ class OutputFormat:
 FORMATS = (
     OutputFormat("safetensors", "streamck.writer.formats.safetensors", "Safetensors", (".safetensors",)),
     OutputFormat("torch", "streamck.writer.formats.torch", "TorchArchive", (".bin", ".pt", ".pth")),
+    OutputFormat("gguf", "streamck.writer.formats.gguf.format", "GGUF", (".gguf",)),
 )

@@ -130,7 +130,7 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
     def fake_rewrite(plan, out, options):  # the options arrive as one WriteOptions (#49)
         from dataclasses import asdict
 
-        seen.update({k: v for k, v in asdict(options).items() if k != "chunk"}, out=out)
+        seen.update({k: v for k, v in asdict(options).items() if k not in ("chunk", "outtype")}, out=out)
         raise SystemExit(0)
 
     monkeypatch.setattr("streamck.writer.write_plan", fake_rewrite)

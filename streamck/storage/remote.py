@@ -39,7 +39,7 @@ _threshold_set = False
 def concurrency() -> int:
     """Requests in flight per file: the current call's (streamck.storage.requests_in_flight),
     else ``STREAMCK_REMOTE_CONCURRENCY``, else CONCURRENCY."""
-    from streamck.storage import REQUESTS
+    from streamck.storage.inflight import REQUESTS
 
     chosen = REQUESTS.get()
     if chosen is not None:

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from streamck.errors import OutputError, UsageError
@@ -78,26 +78,42 @@ class LocalTarget(Destination):
 
     def __init__(self, out: Path, plan: Plan, options: WriteOptions, single: bool):
         super().__init__(out, plan, options)
-        self.single, self.names, self.extras = single, [], []
+        self.single, self.names, self.extras, self.tmps = single, [], [], {}
         self.syncer = Syncer(options.drop_cache)
 
     def check(self, shards: list[Shard], extras: list[str]) -> None:
+        self.names = [s.filename for s in shards]
+        if self._split:  # a file output in numbered files beside it (gguf-split's): each checked as a file
+            for name in self.names:
+                check_target(self.out.parent / name, self.sources, is_dir=False, force=self.options.force)
+            return
         writes = [*self.plan.files, *self.plan.side_files]
         check_target(self.out, self.sources, is_dir=not self.single, force=self.options.force, writes=writes)
 
+    @property
+    def _split(self) -> bool:
+        return self.single and len(self.names) > 1
+
     def arrange(self, shards: list[Shard]) -> list[Shard]:
-        self.names = [s.filename for s in shards]
         return _shared(self, shards, self.out.parent)
 
     @contextmanager
     def open(self) -> Iterator[None]:
         try:
-            with atomic_output(self.out, is_dir=not self.single, force=self.options.force) as self.tmp:
+            with ExitStack() as stack:
+                if self._split:  # each under a temporary name, all renamed into place at the end
+                    for name in self.names:
+                        tmp = atomic_output(self.out.parent / name, is_dir=False, force=self.options.force)
+                        self.tmps[name] = stack.enter_context(tmp)
+                else:
+                    self.tmp = stack.enter_context(atomic_output(self.out, not self.single, self.options.force))
                 yield
         finally:
             self.syncer.close()
 
     def _path(self, shard: Shard) -> Path:
+        if self._split:
+            return self.tmps[shard.filename]
         return self.tmp if self.single else self.tmp / shard.filename
 
     def write(self, writer: ShardWriter, shard: Shard) -> None:
@@ -118,6 +134,8 @@ class LocalTarget(Destination):
             self.extras = sorted(extras)
 
     def files(self) -> list[Path]:
+        if self._split:
+            return [self.out.parent / n for n in self.names]
         return [self.out] if self.single else [self.out / n for n in [*self.names, *self.extras]]
 
 

@@ -107,7 +107,7 @@ def _check(plan: Plan, fmt: Format, single: bool, target: Path | UrlPath | str, 
     if target == "-" and not fmt.streams:
         raise UsageError(f"-o - streams one safetensors file; write {fmt.title} to a path")
     fmt.check(plan, options, target)
-    if single and options.max_shard_size is not None:
+    if single and options.max_shard_size is not None and not fmt.splits:
         raise OutputError(f"{{max_shard_size}} needs a directory output, not a {target.suffix} file", target)
     if single and plan.files:
         raise OutputError(f"this plan also writes {', '.join(plan.files)}; give a directory output", target)

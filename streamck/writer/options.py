@@ -22,8 +22,11 @@ class WriteOptions:
     """What the writer does with a plan.
 
     ``format`` is the output format (``"safetensors"``, ``"torch"``, ``"gguf"``; by default
-    what the output's name asks for, else safetensors). ``max_shard_size`` (bytes, or a size
-    such as ``"5GB"``) splits a directory output into numbered shards and an index;
+    what the output's name asks for, else safetensors). ``outtype`` is the type a format that
+    chooses its tensors' types itself writes them in (GGUF's ``--outtype``: ``f32``, ``f16``,
+    ``bf16``, ``q8_0``; ``--dtype`` and ``--quantize Q8_0`` set it for a GGUF output).
+    ``max_shard_size`` (bytes, or a size such as ``"5GB"``) splits a directory output into
+    numbered shards and an index (a GGUF file into gguf-split's numbered files);
     ``keep_shards`` writes one file per source file instead. ``header_align`` aligns the data
     of safetensors files. ``force`` replaces an earlier output. ``verify`` re-reads every
     written tensor against its source before the output is kept. ``strict`` makes a lossy cast
@@ -36,6 +39,7 @@ class WriteOptions:
     """
 
     format: str | None = None
+    outtype: str | None = None
     max_shard_size: int | None = None
     keep_shards: bool = False
     header_align: int = 8

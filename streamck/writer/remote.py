@@ -170,12 +170,15 @@ class Bucket(Destination):
         check_remote_target(self.out, self.sources, not self.single, self.options.force, writes)
 
     def arrange(self, shards: list[Shard]) -> list[Shard]:
+        self.uploads = dict.fromkeys(s.filename for s in shards)  # their number says where they go (_url)
         for s in shards:
             self.uploads[s.filename] = Upload(self._url(s), part_size(s.size))
         self.shards = shards
         return shards
 
     def _url(self, shard: Shard) -> UrlPath:
+        if self.single and len(self.uploads) > 1:  # a file output split into numbered files beside it
+            return self.out.parent / shard.filename
         return self.out if self.single else self.out / shard.filename
 
     @contextmanager

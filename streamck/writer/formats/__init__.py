@@ -6,6 +6,7 @@ its module is imported then, so a format's dependencies (gguf-py) cost nothing e
 
 from __future__ import annotations
 
+from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +15,9 @@ from streamck import registry
 from streamck.errors import UsageError
 
 if TYPE_CHECKING:
+    from streamck.plan.options import PlanOptions
     from streamck.writer.formats.base import Format
+    from streamck.writer.options import WriteOptions
 
 FORMATS = {f.name: f for f in registry.FORMATS}  # the table is streamck.registry's
 
@@ -42,3 +45,15 @@ def choose(format: str | None, target: Path | str) -> tuple[Format, bool]:
     if named is not None and format not in (None, named):
         raise UsageError(f"{{format}} {format} disagrees with the output's name {Path(target).name}")
     return get(named or format or "safetensors"), named is not None
+
+
+def route_types(fmt: Format, plan: PlanOptions, write: WriteOptions) -> tuple[PlanOptions, WriteOptions]:
+    """The options as ``fmt`` takes them: a format that chooses its tensors' types itself (GGUF,
+    as ``convert_hf_to_gguf.py --outtype``) takes ``dtype`` and its own ``quantize`` schemes from
+    the plan's options as its ``outtype``, so that the plan casts nothing it would cast again."""
+    scheme = (plan.quantize or "").upper()
+    if scheme in fmt.quantizes:
+        return replace(plan, quantize=None), replace(write, outtype=scheme.lower())
+    if fmt.owns_types and plan.dtype is not None and plan.quantize is None:
+        return replace(plan, dtype=None), replace(write, outtype=plan.dtype.lower())
+    return plan, write

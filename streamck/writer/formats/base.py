@@ -54,7 +54,8 @@ class Format:
 
     ``suffixes`` are the file names that ask for the format (``-o model.gguf``);
     ``single_name`` is a directory output's one file; ``streams`` says whether it can be
-    written strictly in order (``-o -``); ``verifies`` whether ``--verify`` can re-read it.
+    written strictly in order (``-o -``); ``verifies`` whether ``--verify`` can re-read it;
+    ``splits`` whether a file output takes ``max_shard_size`` (its files then lie beside it).
     """
 
     name: ClassVar[str]
@@ -63,6 +64,9 @@ class Format:
     single_name: ClassVar[str]
     streams: ClassVar[bool] = False
     verifies: ClassVar[bool] = True
+    splits: ClassVar[bool] = False  # a file output may be split into numbered files beside it
+    quantizes: ClassVar[tuple[str, ...]] = ()  # the --quantize schemes it writes itself (GGUF's Q8_0)
+    owns_types: ClassVar[bool] = False  # it takes --dtype as its own outtype: the plan casts nothing
 
     def prepare(self, plan: Plan, options: WriteOptions) -> Plan:
         """The plan as this format writes it (its own names, dtypes, stacks)."""

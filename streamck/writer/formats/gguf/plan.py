@@ -1,0 +1,130 @@
+"""The GGUF plan pass: a plan of Hugging Face tensors to the tensors of the GGUF file that
+``convert_hf_to_gguf.py`` writes for the same model, without reading a byte.
+
+Per tensor, as the reference's ``ModelBase.prepare_tensors`` decides: its GGUF name (gguf-py's
+``TensorNameMap``), its rows reordered where the family's RoPE layout differs (Llama's q_proj and
+k_proj, ``LlamaModel.permute``: a row selection over the source's own bytes,
+streamck.source.select), and its type: F32 for 1-D tensors, norms and biases, else the file's
+type (``--outtype``), Q8_0 through streamck.transforms.q8_0 (F16 where a row is not whole blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from streamck.errors import PlanError
+from streamck.plan import OutputTensor, Plan
+from streamck.source.select import Rows, select
+from streamck.transforms.q8_0 import BLOCK, Q8_0, q8_0_shape
+from streamck.writer.formats.gguf import meta, table
+
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+@dataclass
+class Prepared:
+    """What the layout needs beside the tensors: the family, the config, the folder the
+    metadata and vocabulary are read from, and the file type (``gguf.LlamaFileType``)."""
+
+    family: table.Family
+    hparams: dict[str, Any]
+    model_dir: Path
+    ftype: gguf.LlamaFileType
+
+
+def model_dir(plan: Plan) -> Path:
+    """The folder holding the model's config.json and tokenizer: where the plan's side files
+    come from, else the source's. A PlanError where it has no config.json."""
+    where = next(
+        (p.parent for n in ("config.json", "tokenizer.json") if isinstance(p := plan.side_files.get(n), Path)), None
+    )
+    if where is None and plan.source is not None:
+        where = plan.source.side_root or plan.source.root
+    if where is None or not (where / "config.json").is_file():
+        needs = "GGUF output needs the model's config.json and tokenizer beside the weights"
+        raise PlanError(f"{needs}, and {where} has no config.json")
+    return where
+
+
+def family_of(hparams: dict[str, Any]) -> table.Family:
+    """The table's row for the config's architecture; a PlanError naming it where there is none."""
+    arch = (hparams.get("architectures") or [None])[0]
+    if arch not in table.FAMILIES:
+        known = ", ".join(table.FAMILIES)
+        raise PlanError(f"architecture {arch}: GGUF output does not convert it (it converts {known})")
+    return table.FAMILIES[arch]
+
+
+def file_type(outtype: str, tensors: list[OutputTensor]) -> gguf.LlamaFileType:
+    """``--outtype`` as ``gguf.LlamaFileType``; ``auto`` is the planned dtype of the first 2-D
+    tensor (BF16, F16, or F32: so ``--dtype`` chooses), F16 where there is none."""
+    if outtype == "auto":
+        first = next((t.dtype for t in tensors if len(t.shape) >= 2 and t.dtype in FLOATS), "F16")
+        outtype = {"BF16": "bf16", "F32": "f32"}.get(first, "f16")
+    if outtype not in table.FILE_TYPES:
+        raise PlanError(f"GGUF type {outtype!r}: one of {', '.join(table.FILE_TYPES)}")
+    return gguf.LlamaFileType[table.FILE_TYPES[outtype]]
+
+
+def prepare(plan: Plan, outtype: str = "auto") -> tuple[Plan, Prepared]:
+    """``plan``'s tensors as the GGUF file's, in the reference's order, and what its keys need."""
+    where = model_dir(plan)
+    hparams = json.loads((where / "config.json").read_bytes())
+    family = family_of(hparams)
+    meta.check_tokenizer(where)
+    ftype = file_type(outtype, plan.tensors)
+    arch = gguf.MODEL_ARCH[family.arch]
+    names = gguf.get_tensor_name_map(arch, hparams["num_hidden_layers"])
+    out = []
+    for t in sorted(plan.tensors, key=lambda t: (t.source.path.name, t.name)):  # by file, then name
+        if t.name.endswith(table.SKIPPED_SUFFIXES):
+            continue
+        name = names.get_name(key=t.name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise PlanError(f"tensor {t.name} has no GGUF name for {gguf.MODEL_ARCH_NAMES[arch]}")
+        out.append(_output(t, name, _rows(t, family, hparams), ftype))
+    summary = [*plan.summary, f"GGUF {gguf.MODEL_ARCH_NAMES[arch]}, {ftype.name}, keys from {where}"]
+    gguf_plan = Plan(out, {}, source=plan.source, summary=summary, notices=plan.notices)
+    return gguf_plan, Prepared(family, hparams, where, ftype)
+
+
+def _rows(t: OutputTensor, family: table.Family, hparams: dict[str, Any]) -> Rows | None:
+    """The row order ``LlamaModel.permute`` gives q_proj / k_proj: per head, output row
+    ``2*j + a`` is source row ``a*hd/2 + j`` (rotate-half pairs interleaved); None for the rest."""
+    if not family.permute_qk or not t.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        return None
+    heads = hparams["num_attention_heads"]
+    if t.name.endswith(("k_proj.weight", "k_proj.bias")) and hparams.get("num_key_value_heads", heads) != heads:
+        heads = hparams["num_key_value_heads"]
+    hd = t.shape[0] // heads
+    return Rows(0, (heads, hd // 2, 2), (hd, 1, hd // 2))
+
+
+def _output(t: OutputTensor, name: str, rows: Rows | None, ftype: gguf.LlamaFileType) -> OutputTensor:
+    """The GGUF tensor ``name`` made of ``t``'s source (its ``rows`` where given), in the type
+    the reference gives it."""
+    if t.transform is not None:
+        raise PlanError(f"{t.name} is computed ({t.transform.label}): GGUF output reads stored tensors only, yet")
+    if t.source.dtype not in FLOATS:
+        raise PlanError(f"{t.name} is {t.source.dtype}: GGUF output converts float tensors only")
+    source = t.source if rows is None else select(t.source, rows)
+    qtype = _qtype(name, t.shape, ftype)
+    if qtype == "Q8_0":
+        return OutputTensor(name, source, "U8", Q8_0(t.shape), q8_0_shape(t.shape))
+    return OutputTensor(name, source, qtype)
+
+
+def _qtype(name: str, shape: tuple[int, ...], ftype: gguf.LlamaFileType) -> str:
+    """``prepare_tensors``'s choice: F32 for 1-D tensors, norms and anything not a ``.weight``;
+    else the file type's, Q8_0 falling back to F16 where the last axis is not whole blocks."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return "F32"
+    kind = {"ALL_F32": "F32", "MOSTLY_F16": "F16", "MOSTLY_BF16": "BF16", "MOSTLY_Q8_0": "Q8_0"}[ftype.name]
+    if kind == "Q8_0" and shape[-1] % BLOCK:
+        return "F16"
+    return kind
