@@ -11,6 +11,9 @@ from helpers import cli
 
 from streamck.cli_args import build_parser
 from streamck.plan import PLAN_FUNCTIONS
+from streamck.registry import FORMATS as _FORMATS
+
+FORMATS = sorted(f.name for f in _FORMATS)  # safetensors, torch, gguf: what --format offers
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def test_bash_completes_commands_and_flags(bash_script):
 
 
 def test_bash_completes_choices_plans_and_paths(bash_script, tmp_path):
-    assert complete(bash_script, "streamck rewrite ck/ --format ") == ["safetensors", "torch"]
+    assert complete(bash_script, "streamck rewrite ck/ --format ") == FORMATS  # every format of the registry
     assert complete(bash_script, "streamck rewrite ck/ --progress ") == ["auto", "bar", "log", "none"]
     assert complete(bash_script, "streamck completion ") == ["bash", "fish", "zsh"]
     assert complete(bash_script, "streamck diff a b --plan eagle") == sorted(p for p in PLAN_FUNCTIONS if "eagle" in p)
@@ -110,5 +113,5 @@ def test_fish_completes_as_bash_does(tmp_path):
 
     assert fish("streamck rew") == ["rewrite"]
     assert fish("streamck rewrite --dt") == ["--dtype"]
-    assert fish("streamck rewrite x --format ") == ["safetensors", "torch"]
+    assert fish("streamck rewrite x --format ") == FORMATS
     assert fish("streamck completion ") == ["bash", "fish", "zsh"]

@@ -124,7 +124,8 @@ def test_refuses_a_tensor_with_no_gguf_name(models, tmp_path):
 def test_the_tokenizers_are_the_families(models, kind):
     """The tests' tokenizers tokenize llama.cpp's own tokenizer test texts into the ids llama.cpp
     expects of Llama 3 / Qwen2 (models/ggml-vocab-*.gguf.inp and .out)."""
-    from gguf_models import VOCABS, llama_cpp
+    from gguf_ckpt import VOCABS
+    from gguf_models import llama_cpp
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(models[kind] / "tokenizer.json"))

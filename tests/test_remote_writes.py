@@ -19,32 +19,35 @@ if s3_server.weed_binary() is None:
 from test_remote import _peak_rss  # noqa: E402 -- after the skips
 
 
-def test_a_completion_failing_midway_leaves_nothing(tmp_path, server, bucket, monkeypatch):
+def test_a_completion_failing_midway_leaves_nothing(tmp_path, server, bucket):
     """Four shards, the second completion refused by the server: the first, already visible,
-    goes again, and the others never appear."""
-    import streamck
-    from streamck.storage.upload import Upload
-
-    for name, value in server.env().items():
-        monkeypatch.setenv(name, value)
+    goes again, and the others never appear. In a child of its own (fsspec keeps one s3fs per
+    process, whichever server it first met), the refusal injected into Upload.complete there."""
     src = save_sharded(tmp_path / "src", llama_like(layers=4, hidden=32, vocab=64), 4)
-    real, calls = Upload.complete, []
-
-    def flaky(self):
-        calls.append(self.url)
-        if len(calls) == 2:
-            raise streamck.OutputError("cannot write: the server said no", self.url)
-        real(self)
-
-    monkeypatch.setattr(Upload, "complete", flaky)
     out = f"s3://{bucket}/flaky"
-    with pytest.raises(streamck.OutputError, match="the server said no"):
-        streamck.rewrite(src, out, max_shard_size="20KB")
-    assert len(calls) == 2
+    child = (
+        "import sys, streamck\n"
+        "from streamck.storage.upload import Upload\n"
+        "real, calls = Upload.complete, []\n"
+        "def flaky(self):\n"
+        "    calls.append(self.url)\n"
+        "    if len(calls) == 2:\n"
+        "        raise streamck.OutputError('cannot write: the server said no', self.url)\n"
+        "    real(self)\n"
+        "Upload.complete = flaky\n"
+        "try:\n"
+        "    streamck.rewrite(sys.argv[1], sys.argv[2], max_shard_size='20KB')\n"
+        "except streamck.OutputError as e:\n"
+        "    print(len(calls), e)\n"
+    )
+    env = {**os.environ, **server.env(), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", child, str(src), out], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.stdout.startswith("2 ") and "the server said no" in proc.stdout, (proc.stdout, proc.stderr)
     left = [p for p in server.fs().find(f"{bucket}/flaky") if p != f"{bucket}/flaky"]  # the server's folder entry
     assert left == []
-    with pytest.raises(streamck.CheckpointError, match="no weights here|no such"):
-        streamck.ls(out)
+    listing = subprocess.run([sys.executable, "-m", "streamck", "ls", out], env=env, capture_output=True, text=True)
+    assert listing.returncode == 2 and "no weights here" in listing.stderr, listing.stderr
 
 
 def test_a_large_side_file_moves_in_pieces(tmp_path, server, bucket):

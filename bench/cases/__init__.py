@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("rewrite", "headers", "dcp", "trainers", "jobs", "merges", "clone", "lora", "quant", "remote")
+MODULES = ("rewrite", "headers", "dcp", "trainers", "jobs", "merges", "clone", "lora", "quant", "gguf", "remote")
 
 for _name in MODULES:
     importlib.import_module(f"{__name__}.{_name}")

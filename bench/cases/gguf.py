@@ -1,0 +1,66 @@
+"""-o model.gguf against llama.cpp's own converter (convert_hf_to_gguf.py, llama-cpp-python
+0.3.36's copy) and cp -r of the model: bf16 and Q8_0, time and peak RSS, the files compared."""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import subprocess
+from pathlib import Path
+
+from harness import HERE, PY, case, contend, cp_fsync, dir_bytes, run_child, streamck, table
+
+CACHE = Path.home() / ".cache" / "streamck-bench"
+
+
+def _llama_cpp() -> Path:
+    """The reference, fetched once per machine into the bench's cache."""
+    from gguf_ckpt import LLAMA_CPP_PYTHON, fetch_llama_cpp
+
+    where = CACHE / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    if not (where / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        where.mkdir(parents=True, exist_ok=True)
+        fetch_llama_cpp(where)
+    return where / "llama.cpp"
+
+
+@case(size="1GiB")
+def case_gguf(a: argparse.Namespace, tmp: Path) -> str:
+    """A bf16 Llama 3 (its embeddings and head 525 MB each) to GGUF bf16 and Q8_0: streamck vs
+    the reference, both against cp -r + sync of the model."""
+    llama_cpp, base = _llama_cpp(), tmp / "llama3"
+    subprocess.run([PY, str(HERE / "gguf_ckpt.py"), str(llama_cpp), "llama", str(base), "2048", "2"], check=True)
+    ref = str(llama_cpp / "convert_hf_to_gguf.py")
+
+    # each contender writes OUT/model.gguf (OUT made first): contend removes OUT after each run
+    def ours(*flags: str):
+        return lambda o: ["sh", "-c", f'mkdir -p "{o}" && exec "$@"', "sh", *streamck("rewrite", str(base), "-o",
+                          f"{o}/model.gguf", "-q", *flags)]  # fmt: skip
+
+    def theirs(outtype: str):
+        return lambda o: ["sh", "-c", f'mkdir -p "{o}" && exec "$@"', "sh", PY, ref, str(base), "--outfile",
+                          f"{o}/model.gguf", "--outtype", outtype]  # fmt: skip
+
+    contenders = {
+        "cp -r + sync (model)": cp_fsync(base),
+        "streamck bf16": ours(),
+        "convert_hf_to_gguf bf16": theirs("bf16"),
+        "streamck Q8_0": ours("--quantize", "Q8_0"),
+        "convert_hf_to_gguf q8_0": theirs("q8_0"),
+    }
+    out = tmp / "out"
+    runs = contend(contenders, out, a.reps, a.settle, (base,))
+    verdicts = []
+    pairs = (("bf16", "streamck bf16", "convert_hf_to_gguf bf16"), ("Q8_0", "streamck Q8_0", "convert_hf_to_gguf q8_0"))
+    for kind, *pair in pairs:
+        files = []
+        for label in pair:
+            run_child(contenders[label](tmp / label.replace(" ", "-")), 0)
+            files.append(tmp / label.replace(" ", "-") / "model.gguf")
+        verdicts.append(f"{kind}: {'byte for byte equal' if filecmp.cmp(*files, shallow=False) else 'NOT equal'}")
+    return (
+        f"Model: bench/gguf_ckpt.py's Llama 3 (hidden 2048, 2 layers, vocab 128256, untied head), "
+        f"{dir_bytes(base) / 2**30:.2f} GiB bf16; its tokenizer from llama.cpp's llama-bpe test vocabulary. "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle. Files: {'; '.join(verdicts)}.\n\n"
+        + table(runs, "cp -r + sync (model)", dir_bytes(base))
+    )
