@@ -76,10 +76,19 @@ class OutputFormat:
     module: str
     cls: str
     suffixes: tuple[str, ...]
+    needs: tuple[str, ...] = ()  # the packages it imports beyond streamck's own (an extra)
+    install: str = ""  # what to run where they are missing
 
 
 FORMATS = (
     OutputFormat("safetensors", "streamck.writer.formats.safetensors", "Safetensors", (".safetensors",)),
     OutputFormat("torch", "streamck.writer.formats.torch", "TorchArchive", (".bin", ".pt", ".pth")),
-    OutputFormat("gguf", "streamck.writer.formats.gguf.format", "GGUF", (".gguf",)),
+    OutputFormat(
+        "gguf",
+        "streamck.writer.formats.gguf.format",
+        "GGUF",
+        (".gguf",),
+        needs=("gguf", "tokenizers"),
+        install="pip install gguf==0.19.0 tokenizers (or pip install '.[gguf]' in a streamck checkout)",
+    ),
 )

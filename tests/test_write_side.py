@@ -135,3 +135,16 @@ def test_a_writer_refusal_names_the_parameter_not_the_flag(src, tmp_path):
         streamck.rewrite(src, tmp_path / "o", keep_shards=True, max_shard_size=1000)
     assert str(e.value) == "keep_shards keeps the source's files; drop max_shard_size"
     assert e.value.cli() == "--keep-shards keeps the source's files; drop --max-shard-size"
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_a_format_whose_extra_is_missing_is_one_line(src, tmp_path, dry):
+    """``pip install .`` alone, then ``-o model.gguf``: the packages to install named in one line,
+    exit 2, nothing written, --dry-run alike (it was an ImportError's traceback, exit 1)."""
+    code = "import sys; sys.modules['gguf'] = None\nfrom streamck.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    out = tmp_path / "model.gguf"
+    proc = subprocess.run([sys.executable, "-c", code, "rewrite", str(src), "-o", str(out), *dry],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "gguf output needs gguf, which is not installed: pip install gguf" in proc.stderr
+    assert not out.exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from importlib import import_module
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,17 @@ def get(name: str) -> Format:
     if name not in FORMATS:
         raise UsageError(f"{{format}} {name}: one of {', '.join(FORMATS)}")
     row = FORMATS[name]
+    missing = [package for package in row.needs if not _installed(package)]
+    if missing:  # said before anything is read, as one line (not an ImportError's traceback)
+        raise UsageError(f"{name} output needs {' and '.join(missing)}, which is not installed: {row.install}")
     return getattr(import_module(row.module), row.cls)()
+
+
+def _installed(package: str) -> bool:
+    try:
+        return find_spec(package) is not None
+    except (ImportError, ValueError):  # None in sys.modules, or a half-removed install
+        return False
 
 
 def named_by(path: Path | str) -> str | None:
