@@ -30,7 +30,8 @@ def get(name: str) -> Format:
     row = FORMATS[name]
     missing = [package for package in row.needs if not _installed(package)]
     if missing:  # said before anything is read, as one line (not an ImportError's traceback)
-        raise UsageError(f"{name} output needs {' and '.join(missing)}, which is not installed: {row.install}")
+        verb = "is" if len(missing) == 1 else "are"
+        raise UsageError(f"{name} output needs {' and '.join(missing)}, which {verb} not installed: {row.install}")
     return getattr(import_module(row.module), row.cls)()
 
 
