@@ -99,11 +99,12 @@ def test_rewrite_into_a_hub_repo_clone_keeps_its_git_files(tmp_path):
     cli("rewrite", src, "-o", repo, "--force", check=0)
     assert all(p.read_bytes() == data for p, data in before.items())
     cli("diff", repo, src, "--data", check=0)
-    # without .git/ a README.md is someone's file, not the export's: still refused by name
+    # without .git/ a README.md is someone's file all the same: kept, as every file that is no export's (#54)
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "README.md").write_text("notes\n")
-    assert "README.md" in cli("rewrite", src, "-o", plain, "--force", check=2).stderr
+    cli("rewrite", src, "-o", plain, "--force", check=0)
+    assert (plain / "README.md").read_text() == "notes\n"
 
 
 def test_a_mistyped_plan_gets_the_closest_and_the_list(tmp_path):

@@ -113,8 +113,10 @@ def test_force_is_spelt_as_the_caller_passes_it(tmp_path):
     one_line(cli("rewrite", src, "-o", out), f"streamck: error: {out}: already exists; pass --force to replace it")
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "notes.txt").write_text("mine")
-    with pytest.raises(OutputError, match=r"; force=True replaces only weights"):
-        write_plan(plan, tmp_path / "dir", force=True)
+    with pytest.raises(OutputError, match=r"; pass force=True to write into it \(an earlier export's"):
+        write_plan(plan, tmp_path / "dir")
+    write_plan(plan, tmp_path / "dir", force=True)
+    assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == ["model.safetensors", "notes.txt"]
 
 
 def test_every_data_command_takes_quiet_and_json():

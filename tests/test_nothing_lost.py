@@ -38,18 +38,28 @@ def source(tmp_path):
 # 1. --force replaces an earlier export, never what the user keeps beside it.
 
 
-def test_force_refuses_a_directory_holding_other_files(tmp_path, source):
+def test_force_writes_into_a_directory_and_keeps_the_other_files(tmp_path, source):
+    """As save_pretrained does (#54): the model goes in, an earlier export's weights go out,
+    the user's notes, other models and other weights files stay."""
     models = tmp_path / "models"
     (models / "other_model").mkdir(parents=True)
     (models / "other_model" / "model.safetensors").write_bytes(b"keep")
     (models / "NOTES.md").write_text("mine")
+    (models / "adapter_model.safetensors").write_bytes(b"also mine")
     (models / "model.safetensors").write_bytes(b"old")
-    proc = cli("rewrite", source, "-o", models, "--force", "-q")
+    save_sharded(models, {"old.weight": np.ones(3, np.float32)}, 2)  # an earlier sharded export and its index
+    proc = cli("rewrite", source, "-o", models, "-q")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "NOTES.md, other_model/" in proc.stderr and str(models) in proc.stderr
+    assert "already exists; pass --force to write into it" in proc.stderr and "other files are kept" in proc.stderr
+    assert (models / "model.safetensors").read_bytes() == b"old"
+    proc = cli("rewrite", source, "-o", models, "--force", "-q")
+    assert proc.returncode == 0, proc.stderr
     assert (models / "NOTES.md").read_text() == "mine"
     assert (models / "other_model" / "model.safetensors").read_bytes() == b"keep"
-    assert (models / "model.safetensors").read_bytes() == b"old"
+    assert (models / "adapter_model.safetensors").read_bytes() == b"also mine"
+    assert read_all(models / "model.safetensors").keys() == llama_like().keys()
+    kept = ["NOTES.md", "adapter_model.safetensors", "config.json", "model.safetensors", "other_model"]
+    assert sorted(p.name for p in models.iterdir()) == kept  # the old shards and their index are gone
     assert leftovers(tmp_path) == []
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from streamck.errors import OutputError, listing
+from streamck.errors import OutputError
 from streamck.fileio import fsync as fsync_dir
 from streamck.storage import UrlPath
 
@@ -32,9 +32,13 @@ TMP_TAG = ".streamck-tmp-"
 LOCK_NAME = ".streamck-lock"  # inside a temporary directory
 STALE_AGE = 24 * 3600  # seconds untouched before a temporary without a lock file counts as dead
 _TMP_RE = re.compile(r"^(\..*\.streamck-)(tmp|lock)(-\d+-[0-9a-f]{8})$")
-# What an earlier export left that --force may remove (as save_pretrained removes stale shards).
+# What an earlier export left that --force may remove, by the names an export writes (as
+# save_pretrained removes its stale shards by their names): any other file is the user's and stays.
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-STALE_WEIGHTS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+_SHARD = "-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9]"
+STALE_WEIGHTS = (
+    "model.safetensors", f"model{_SHARD}.safetensors", "pytorch_model.bin", f"pytorch_model{_SHARD}.bin", *INDEX_FILES,
+)  # fmt: skip
 
 
 def _try_lock(lock: Path) -> int | None:
@@ -125,35 +129,8 @@ def is_temporary(name: str) -> bool:
     return _TMP_RE.match(name) is not None
 
 
-# What a clone of a Hugging Face model repo holds beside the weights (`git clone`, then `git lfs`).
-REPO_FILES = (".git", ".gitattributes", ".gitignore", "README.md")
-
-
 def _is_weights(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in STALE_WEIGHTS)
-
-
-def _foreign(directory: Path, writes: Iterable[str]) -> list[str]:
-    """What ``directory`` holds that --force may not replace: anything but what this output
-    writes (files, and folders it writes whole) and files that are weights and indexes of
-    an earlier export. In a git clone (a Hub model repo, to push the export from), its git
-    files and model card (REPO_FILES) are no part of any export either: they stay as they are."""
-    ours = set(writes) | (set(REPO_FILES) if (directory / ".git").exists() else set())
-    return sorted(
-        p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
-        for p in directory.iterdir()
-        if not (p.name in ours or ((p.is_symlink() or p.is_file()) and _is_weights(p.name)))
-    )
-
-
-def _refuse_foreign(final: Path, writes: Iterable[str]) -> None:
-    foreign = _foreign(final, writes)
-    if foreign:
-        raise OutputError(
-            f"holds files that are not part of an earlier export: {listing(foreign)}; "
-            "{force} replaces only weights and the files this output writes (move them or pick another directory)",
-            final,
-        )
 
 
 def refuse_source(final: Path, sources: Iterable[Path]) -> None:
@@ -171,14 +148,18 @@ def refuse_source(final: Path, sources: Iterable[Path]) -> None:
             raise OutputError(f"refusing to write over the source checkpoint (same file as {src})", final)
 
 
-def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool, writes: Iterable[str] = ()) -> None:
+EXISTS_DIR = (
+    "already exists; pass {force} to write into it (an earlier export's weights are replaced, other files are kept)"
+)
+
+
+def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool) -> None:
     """Refuse a target that is, links to, or would contain a source file, or that exists
     (unless ``force``, or it is an empty directory and a directory is to be written).
 
-    ``force`` replaces a file target, or, for a directory, only what a directory output
-    consists of: ``*.safetensors`` and ``pytorch_model*.bin`` weights and their indexes,
-    and the files in ``writes`` (the output's own and side files). Anything else there
-    (notes, other models) is refused by name, force or not."""
+    ``force`` replaces a file target; a directory it writes into, as ``save_pretrained``
+    does: the output's files replace their namesakes, an earlier export's weights and
+    indexes (``STALE_WEIGHTS``) go, and everything else there stays (``_merge``)."""
     refuse_source(final, sources)
     exists = final.exists()
     if not (final.is_symlink() or exists):
@@ -188,12 +169,10 @@ def check_target(final: Path, sources: Iterable[Path], is_dir: bool, force: bool
         raise OutputError("is a directory; a .safetensors output is one file", final)
     if is_dir and not real_dir:
         raise OutputError("is not a directory; a directory output replaces only a directory", final)
-    if is_dir:
-        if not any(final.iterdir()):
-            return
-        _refuse_foreign(final, writes)
+    if is_dir and not any(final.iterdir()):
+        return
     if not force:
-        raise OutputError("already exists; pass {force} to replace it", final)
+        raise OutputError(EXISTS_DIR if is_dir else "already exists; pass {force} to replace it", final)
 
 
 @contextmanager
@@ -261,15 +240,13 @@ def _merge(tmp: Path, final: Path) -> None:
     """Replace an earlier export in the existing directory ``final`` with the files in ``tmp``.
 
     The directory itself is never removed or swapped, so nothing else in it can go with
-    it (it is checked again here, as it may have changed since the run began): each new
-    file is renamed over its namesake, then the old weights this output does not have
-    are removed. The old index goes first and the new one comes last, so that no index
+    it: each new file is renamed over its namesake, then the old weights this output does
+    not have are removed. The old index goes first and the new one comes last, so that no index
     ever names a mix of old and new shards: a crash in between leaves shards without an
     index, which loaders refuse, never an index over the wrong weights."""
     if not final.is_dir() or final.is_symlink():
         raise OutputError("appeared while writing and is not a directory", final)
     new = [p.name for p in tmp.iterdir()]
-    _refuse_foreign(final, new)
     for index in INDEX_FILES:
         (final / index).unlink(missing_ok=True)
     fsync_dir(final)

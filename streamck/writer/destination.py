@@ -4,7 +4,7 @@
 Every destination is used in one order by streamck.writer.engine.write_plan:
 
 1. ``check(plan, shards, extras)``: refuse the target (a source, an existing output
-   without ``force``, files that are not an earlier export's) before anything is written;
+   without ``force``, a folder of a ``--part`` holding other files) before anything is written;
 2. ``arrange(shards)``: the shards this run writes, laid out for the target (padded so
    that unchanged bytes share the source's blocks; a part's own share);
 3. ``open()`` as a context: a temporary beside the target, or nothing; a clean exit
@@ -87,8 +87,7 @@ class LocalTarget(Destination):
             for name in self.names:
                 check_target(self.out.parent / name, self.sources, is_dir=False, force=self.options.force)
             return
-        writes = [*self.plan.files, *self.plan.side_files]
-        check_target(self.out, self.sources, is_dir=not self.single, force=self.options.force, writes=writes)
+        check_target(self.out, self.sources, is_dir=not self.single, force=self.options.force)
 
     @property
     def _split(self) -> bool:

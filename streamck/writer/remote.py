@@ -19,12 +19,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from streamck.errors import OutputError, UsageError, listing
+from streamck.errors import OutputError, UsageError
 from streamck.plan import Plan
 from streamck.storage import UrlPath
 from streamck.storage.remote import info, listdir
 from streamck.storage.upload import Upload, delete, part_size, writable
-from streamck.writer.atomic import INDEX_FILES, STALE_WEIGHTS
+from streamck.writer.atomic import EXISTS_DIR, INDEX_FILES, STALE_WEIGHTS
 from streamck.writer.destination import Destination, side_pieces
 from streamck.writer.layout import Shard
 from streamck.writer.options import WriteOptions
@@ -38,11 +38,11 @@ def _is_weights(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in STALE_WEIGHTS)
 
 
-def check_remote_target(out: UrlPath, sources: Iterable[Path], is_dir: bool, force: bool, writes: list[str]) -> None:
+def check_remote_target(out: UrlPath, sources: Iterable[Path], is_dir: bool, force: bool) -> None:
     """Refuse what a local target refuses (streamck.writer.atomic.check_target): the source
-    itself or a folder holding it, an existing file without ``force``, a folder holding
-    anything but weights, indexes and the files this output writes (force or not), and a
-    non-empty folder without ``force``."""
+    itself or a folder holding it, an existing file or a non-empty folder without ``force``.
+    With ``force`` a folder is written into: the output's files and an earlier export's
+    weights and indexes are replaced, anything else there stays."""
     writable(out)
     for src in sources:
         if isinstance(src, UrlPath) and (src == out or out in src.parents):
@@ -55,23 +55,10 @@ def check_remote_target(out: UrlPath, sources: Iterable[Path], is_dir: bool, for
         raise OutputError("is a folder; a .safetensors output is one file", out)
     if is_dir and kind == "file":
         raise OutputError("is a file; a directory output replaces only a folder", out)
-    if is_dir:
-        entries = listdir(out, fresh=True)
-        if not entries:
-            return
-        foreign = sorted(
-            n + ("/" if e.get("type") == "directory" else "")
-            for n, e in entries.items()
-            if n not in writes and not (e.get("type") == "file" and _is_weights(n))
-        )
-        if foreign:
-            raise OutputError(
-                f"holds files that are not part of an earlier export: {listing(foreign)}; "
-                "{force} replaces only weights and the files this output writes (move them or pick another folder)",
-                out,
-            )
+    if is_dir and not listdir(out, fresh=True):
+        return
     if not force:
-        raise OutputError("already exists; pass {force} to replace it", out)
+        raise OutputError(EXISTS_DIR if is_dir else "already exists; pass {force} to replace it", out)
 
 
 class PipeUpload:
@@ -166,8 +153,7 @@ class Bucket(Destination):
             raise UsageError("{verify} re-reads the output from disk: not for URL outputs yet")
         if self.options.part is not None:
             raise UsageError("{part} writes into a folder shared by its runs: not to URLs yet")
-        writes = [*self.plan.files, *self.plan.side_files]
-        check_remote_target(self.out, self.sources, not self.single, self.options.force, writes)
+        check_remote_target(self.out, self.sources, not self.single, self.options.force)
 
     def arrange(self, shards: list[Shard]) -> list[Shard]:
         self.uploads = dict.fromkeys(s.filename for s in shards)  # their number says where they go (_url)
