@@ -13,6 +13,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: F401  a test dependency: missing, the suite fails rather than skips
 import torch
 import zero_fixtures
+from fixture_cache import built_once, fixture_root
 from helpers import cli
 from safetensors.torch import load_file, save_file
 
@@ -111,7 +112,11 @@ def test_a_rank_file_with_a_bad_crc_is_one_line(zero_cases, tmp_path):
 
 @pytest.fixture(scope="module")
 def odd_steps(tmp_path_factory):
-    return zero_fixtures.make_odd_checkpoints(tmp_path_factory.mktemp("odd"))
+    """Made once and kept on the machine, as zero_cases is: DeepSpeed's spawn took ~100 s a run."""
+    root = fixture_root(tmp_path_factory, "zero-odd", "tests/zero_fixtures.py")
+    base = built_once(root / "steps", zero_fixtures.make_odd_checkpoints)
+    steps = {stage: base / f"z{stage}" / "global_step1" for stage in (1, 2)}
+    return {**steps, "lightning": base / "epoch=0-step=1.ckpt"}
 
 
 def test_notices_for_a_param_of_no_elements_and_an_f64_buffer(odd_steps):
