@@ -56,7 +56,7 @@ def build_plan(source: Source, options: PlanOptions | None = None, **keywords: A
     read, changes = split_options(keywords, SourceSpec, PlanOptions)
     spec, o = SourceSpec.of(source, **read), PlanOptions.of(options, **changes)
     if o.merge_lora is not None and spec.builtin is not None:
-        raise UsageError(f"--merge-lora merges into a base checkpoint, not into --plan {spec.builtin}")
+        raise UsageError(f"{{merge_lora}} merges into a base checkpoint, not into {{plan}} {spec.builtin}")
     extra = tuple(Rule("cast", f"{glob}={dt}") for glob, dt in o.casts.items())
     plan_rules = Rules(rules_from(o.rules) + extra, o.dtype)
     from streamck.plan.passes import run_passes  # only here: ls and diff do not need them

@@ -78,7 +78,7 @@ class SourceSpec:
         """The source's index (headers only). A built-in plan opens its own source: asking
         for the index of one is a UsageError (use ``compile``)."""
         if self.builtin is not None:
-            raise UsageError(f"--plan {self.builtin} opens its own source; compile the plan instead")
+            raise UsageError(f"{{plan}} {self.builtin} opens its own source; compile the plan instead")
         if isinstance(self.path, Checkpoint):
             return self.path
         return open_checkpoint(self.path, self.step, self.key, self.zero, self.keep_tied)
@@ -99,7 +99,8 @@ class SourceSpec:
         if isinstance(self.path, Checkpoint):
             raise UsageError(f"plan {name!r} opens its own source: pass a path, not a Checkpoint")
         if self.key is not None or self.zero or self.keep_tied:
-            raise UsageError(f"--key, --zero and --keep-tied do not apply to --plan {name}, which opens its own source")
+            which = "{key}, {zero} and {keep_tied} do not apply to {plan}"
+            raise UsageError(f"{which} {name}, which opens its own source")
         if is_url(self.path):  # listings fsspec kept from an earlier open may miss a new step
             from streamck.storage.remote import forget
 
@@ -115,13 +116,13 @@ class SourceSpec:
         from streamck.plan import AUX_LAYER_PLANS, HF_CONFIG_PLANS, VERIFIER_PLANS
 
         for flag, value, plans in (
-            ("--verifier", self.verifier, VERIFIER_PLANS),
-            ("--aux-layer-ids", self.aux_layer_ids, AUX_LAYER_PLANS),
-            ("--hf-config", self.hf_config, HF_CONFIG_PLANS),
+            ("{verifier}", self.verifier, VERIFIER_PLANS),
+            ("{aux_layer_ids}", self.aux_layer_ids, AUX_LAYER_PLANS),
+            ("{hf_config}", self.hf_config, HF_CONFIG_PLANS),
         ):
             if value is not None and self.builtin not in plans:
                 where = f", not {self.builtin}" if self.builtin else ""
-                raise UsageError(f"{flag} applies to --plan {', '.join(sorted(plans))} only{where}")
+                raise UsageError(f"{flag} applies to {{plan}} {', '.join(sorted(plans))} only{where}")
 
 
 def _plan_file(plan: str | os.PathLike) -> Rules:
@@ -135,6 +136,6 @@ def _plan_file(plan: str | os.PathLike) -> Rules:
         names = list(BUILTIN_PLANS)
         close = get_close_matches(os.fspath(plan), names, n=1, cutoff=0.6)
         guess = f"did you mean {close[0]}? " if close else ""
-        what = f"--plan {os.fspath(plan)}: no such built-in plan or plan file"
+        what = f"{{plan}} {os.fspath(plan)}: no such built-in plan or plan file"
         raise UsageError(f"{what}; {guess}the built-in plans: {', '.join(names)}")
     return load_rules(plan)

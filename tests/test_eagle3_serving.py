@@ -95,7 +95,7 @@ def test_ids_from_snapshot_when_given_the_consolidated_dir(tmp_path):
     plan = build_plan(src / "model" / "consolidated", plan="eagle3")
     body = json.loads(plan.files["config.json"])
     assert captured_layers(body, "sglang", 32) == captured_layers(body, "vllm", 32) == [3, 9, 27]
-    [note] = plan.notices
+    [note, _] = plan.notices  # and the float32 weights' note (tests/test_vllm.py)
     assert "[3, 9, 27]" in note and f"from recipe_args.aux_layer_ids in {src / 'config.yaml'}" in note
     assert note in plan.summary
 
@@ -104,7 +104,7 @@ def test_ids_from_snapshot_when_given_the_consolidated_dir(tmp_path):
 def test_default_ids_said(tmp_path, snapshot):
     src, _, _ = make_draft(tmp_path / "step", target="qwen3", snapshot=snapshot)
     plan = build_plan(src, plan="eagle3")
-    [note] = plan.notices
+    [note, _] = plan.notices  # and the float32 weights' note (tests/test_vllm.py)
     assert "[1, 17, 32]" in note and "Automodel's default [1, n//2 - 1, n - 4] for n = 36" in note
     assert ("sets no recipe_args.aux_layer_ids" if snapshot else "no config.yaml") in note
 
@@ -169,12 +169,12 @@ def test_impossible_ids_refused(tmp_path, kw, match):
 
 def test_override_refused(tmp_path):
     src, _, _ = make_draft(tmp_path / "step")
-    with pytest.raises(UsageError, match="--aux-layer-ids takes target layer numbers like 1,15,28, not 'a,b'"):
+    with pytest.raises(UsageError, match="^aux_layer_ids takes target layer numbers like 1,15,28, not 'a,b'$"):
         rewrite(src, tmp_path / "out", plan="eagle3", aux_layer_ids="a,b")
-    with pytest.raises(PlanError, match=r"4 aux layer ids \[1, 2, 3, 4\] from --aux-layer-ids: the draft's fc takes 3"):
+    with pytest.raises(PlanError, match=r"4 aux layer ids \[1, 2, 3, 4\] from aux_layer_ids: the draft's fc takes 3"):
         rewrite(src, tmp_path / "out", plan="eagle3", aux_layer_ids=[1, 2, 3, 4])
     for plan in ("eagle4", None):
-        with pytest.raises(UsageError, match="--aux-layer-ids applies to --plan eagle3, eagle3-speculators only"):
+        with pytest.raises(UsageError, match="aux_layer_ids applies to plan eagle3, eagle3-speculators only"):
             rewrite(src, tmp_path / "out", plan=plan, aux_layer_ids=[1, 2, 3])
     assert not (tmp_path / "out").exists()
 
@@ -326,5 +326,5 @@ def test_four_aux_states(tmp_path):
     served(tmp_path, "eagle3-speculators", name="spec", src=src)
     spec = _speculators_load(tmp_path / "spec", tensors)
     _engines_take_every_key(speculators_as_vllm(spec), tmp_path / "spec", "vllm")
-    with pytest.raises(PlanError, match=r"3 aux layer ids \[1, 15, 28\] from --aux-layer-ids: the draft's fc takes 4"):
+    with pytest.raises(PlanError, match=r"3 aux layer ids \[1, 15, 28\] from aux_layer_ids: the draft's fc takes 4"):
         served(tmp_path, src=src, name="bad", aux_layer_ids=[1, 15, 28])

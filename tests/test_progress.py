@@ -74,7 +74,7 @@ def test_auto_is_a_bar_on_a_terminal_and_log_lines_elsewhere():
     bar.close()
     assert type(reporter(10, "none", io.StringIO())) is Silent and type(reporter(10, False)) is Silent
     assert isinstance(reporter(10, "log", Terminal()), Log)
-    with pytest.raises(UsageError, match="--progress loud: one of auto, bar, log, none"):
+    with pytest.raises(UsageError, match="^progress loud: one of auto, bar, log, none$"):
         reporter(10, "loud")
 
 

@@ -247,8 +247,8 @@ def test_eagle4_layout_is_documented_in_the_repository():
     doc = (REPO / "docs" / "eagle4.md").read_text()
     assert "../shared" not in readme and "docs/eagle4.md" in readme
     rows = [*TENSORS, *(row for extra in BIASES.values() for row in extra)]
-    for serve, train, _ in rows:
-        assert f"`{serve}`" in doc and f"`{train}`" in doc, (serve, train)
+    for row in rows:
+        assert f"`{row.out}`" in doc and f"`{row.src}`" in doc, row
     assert all(key in doc for key in COPIED_CONFIG)
 
 

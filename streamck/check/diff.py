@@ -234,11 +234,11 @@ def diff(
         try:
             check_glob(glob)
         except PlanError as e:
-            raise UsageError(f"--ignore: {e}") from None
+            raise UsageError(f"{{ignore}}: {e.message}") from None
     sa = a if isinstance(a, Side) else load_side(a)
     sb = b if isinstance(b, Side) else load_side(b)
     if data and (sa.checkpoint is None or sb.checkpoint is None):
-        raise UsageError("--data compares tensor bytes: both sides must be checkpoints, not manifests")
+        raise UsageError("{data} compares tensor bytes: both sides must be checkpoints, not manifests")
     ignored = re.compile("|".join(fnmatch.translate(g) for g in ignore)) if ignore else None
     ta = {n: e for n, e in sa.tensors.items() if not (ignored and ignored.match(n))}
     tb = {n: e for n, e in sb.tensors.items() if not (ignored and ignored.match(n))}

@@ -83,7 +83,7 @@ def resolve_dtype(rules: Rules, ref: TensorRef, used: set[int] | None = None) ->
     explicit = rules.cast_for(ref.name, used)
     if explicit is not None and ref.dtype not in CASTABLE:
         article = "an" if ref.dtype[0] in "IF" else "a"  # an I64, an F8_E4M3; a U8, a BOOL
-        raise PlanError(f"--cast matches {ref.name!r}, {article} {ref.dtype} tensor, which is never cast")
+        raise PlanError(f"{{cast}} matches {ref.name!r}, {article} {ref.dtype} tensor, which is never cast")
     dtype = explicit or (rules.dtype if rules.dtype is not None and ref.dtype in CASTABLE else ref.dtype)
     return dtype
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from streamck.errors import PlanError, listing
@@ -19,13 +20,43 @@ from streamck.source.layout import CONSOLIDATED, HF_METADATA, hub_snapshot
 from streamck.storage import location
 
 
+@dataclass(frozen=True)
+class Row:
+    """One tensor of a built-in plan's layout table (each family's ``layout.py``), read by name.
+
+    ``out`` is its name in the output (Hugging Face's, or the serving layout's), ``src`` its name
+    in the trainer's checkpoint, ``shape`` its sides as products of the family's symbols
+    (``("nh*d", "H")``). ``dtypes`` are the dtypes it may have where the table says them per row
+    (EAGLE-3's; empty: the plan checks dtypes itself, as floats). ``permute`` is the row order it is
+    written in (torchtitan's ``"q"``/``"k"``: RoPE pairs to halves; None: as stored), and
+    ``legacy`` its name under the trainer's earlier version (torchtitan 0.2), where that differs.
+    A name may hold ``{i}`` (a layer) or ``{e}`` (an expert), filled in by ``at``.
+    """
+
+    out: str
+    src: str
+    shape: tuple[str, ...]
+    dtypes: tuple[str, ...] = ()
+    permute: str | None = None
+    legacy: str | None = None
+
+    def at(self, **index: int) -> Row:
+        """The row with ``index`` (``i=3``) filled into its names."""
+        legacy = None if self.legacy is None else self.legacy.format(**index)
+        return replace(self, out=self.out.format(**index), src=self.src.format(**index), legacy=legacy)
+
+    def source(self, legacy: bool = False) -> str:
+        """Its name in the checkpoint: ``src``, or under the earlier version (``legacy``) that one's."""
+        return (self.legacy or self.src) if legacy else self.src
+
+
 def only_casts(rules: Rules | None, plan: str) -> Rules:
     """``rules`` (none: empty) when they only cast; a plan that fixes every name refuses
     renames and drops."""
     rules = rules or Rules()
     others = sorted({r.kind for r in rules.rules if r.kind != "cast"})
     if others:
-        raise PlanError(f"--plan {plan} fixes every name; it cannot be combined with {', '.join(others)} rules")
+        raise PlanError(f"{{plan}} {plan} fixes every name; it cannot be combined with {', '.join(others)} rules")
     return rules
 
 

@@ -46,13 +46,13 @@ def find_config(step: Path, given: str | Path | None, plan: str) -> Path:
     if given is not None:
         path = location(given)
         if not path.is_file():
-            raise PlanError("--hf-config: no such file", path)
+            raise PlanError("{hf_config}: no such file", path)
         return path
     for candidate in (step / "config.json", step.parent / "config.json"):
         if candidate.is_file():
             return candidate
     raise PlanError(
-        f"--plan {plan} needs the model's Hugging Face config.json for its sizes: give --hf-config FILE "
+        f"{{plan}} {plan} needs the model's Hugging Face config.json for its sizes: give {{hf_config}} FILE "
         "or put config.json beside the step",
         step,
     )

@@ -49,18 +49,18 @@ class PlanOptions:
         object.__setattr__(self, "rules", tuple(self.rules or ()))
         object.__setattr__(self, "casts", dict(self.casts or {}))
         object.__setattr__(self, "quantize_ignore", tuple(self.quantize_ignore or ()))
-        lora = {"--safe-merge": self.safe_merge, "--merge-engine": self.merge_engine}
-        lora["--merge-lora-any-base"] = self.merge_lora_any_base
+        lora = {"{safe_merge}": self.safe_merge, "{merge_engine}": self.merge_engine}
+        lora["{merge_lora_any_base}"] = self.merge_lora_any_base
         stray = [flag for flag, value in lora.items() if value not in (None, False)]
         if self.merge_lora is None and stray:
-            raise UsageError(f"{', '.join(stray)} applies to --merge-lora only")
+            raise UsageError(f"{', '.join(stray)} applies to {{merge_lora}} only")
         if self.experts not in EXPERTS:
             raise UsageError(f"experts={self.experts!r}: one of {', '.join(EXPERTS)}")
-        quant = {"--quantize-ignore": self.quantize_ignore, "--quantize-lm-head": self.quantize_lm_head}
-        quant["--quantize-pad-partial"] = self.quantize_pad_partial
+        quant = {"{quantize_ignore}": self.quantize_ignore, "{quantize_lm_head}": self.quantize_lm_head}
+        quant["{quantize_pad_partial}"] = self.quantize_pad_partial
         stray = [flag for flag, value in quant.items() if value]
         if stray and self.quantize is None:
-            raise UsageError(f"{stray[0]} applies to --quantize only")
+            raise UsageError(f"{stray[0]} applies to {{quantize}} only")
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **changes: Any) -> PlanOptions:

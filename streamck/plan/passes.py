@@ -67,14 +67,15 @@ def _quant_steps(plan: Plan, o: PlanOptions) -> Plan:
 
     if plan.source is not None and quantized_kind(plan) is not None:
         if o.quantize is not None:
-            raise PlanError(f"--quantize: the source is already {quantized_kind(plan)}-quantized; dequantize it first")
+            kind = quantized_kind(plan)
+            raise PlanError(f"{{quantize}}: the source is already {kind}-quantized; dequantize it first")
         if o.dtype is not None:
             return dequantize_plan(plan, o.dtype)
         scales = [t.name for t in plan.tensors if t.is_cast and t.name.rpartition(".")[2] in SCALE_NAMES]
         if scales:
             raise PlanError(
-                f"the source is {quantized_kind(plan)}-quantized: --cast would change its scales ({scales[0]}, …), "
-                "not its weights; dequantize with --dtype"
+                f"the source is {quantized_kind(plan)}-quantized: {{cast}} would change its scales ({scales[0]}, …), "
+                "not its weights; dequantize with {dtype}"
             )
         return plan
     if o.quantize is None:
@@ -88,14 +89,14 @@ def _merge_lora(plan: Plan, adapter: str | os.PathLike, safe_merge: bool, any_ba
     from streamck.plan.lora.plan import ENGINES, merge_lora
 
     if engine is not None and engine not in ENGINES:
-        raise UsageError(f"--merge-engine {engine}: one of {', '.join(ENGINES)}")
+        raise UsageError(f"{{merge_engine}} {engine}: one of {', '.join(ENGINES)}")
     note = None
     if engine in (None, "torch"):
         try:
             import torch  # noqa: F401
         except ModuleNotFoundError:
             if engine == "torch":
-                raise UsageError("--merge-engine torch: torch is not installed: " + TORCH_HINT) from None
+                raise UsageError("{merge_engine} torch: torch is not installed: " + TORCH_HINT) from None
             note = "torch is not installed: merging with numpy, not bit for bit (see --merge-engine)"
     engine = engine or ("numpy" if note else "torch")
     merged = merge_lora(plan, adapter, safe_merge=safe_merge, any_base=any_base, engine=engine)

@@ -40,24 +40,24 @@ class Rule:
     def regex(self) -> tuple[re.Pattern[str], str]:
         pattern, sep, repl = self.arg.rpartition("=")
         if not sep:
-            raise PlanError(f"--rename {self.arg!r}: expected REGEX=REPLACEMENT")
+            raise PlanError(f"{{rename}} {self.arg!r}: expected REGEX=REPLACEMENT")
         try:
             compiled = re.compile(pattern)
             compiled.sub(repl, "")  # validates group references in the replacement
         except (re.error, IndexError) as e:
-            raise PlanError(f"--rename {self.arg!r}: {e}") from None
+            raise PlanError(f"{{rename}} {self.arg!r}: {e}") from None
         return compiled, repl
 
     @cached_property
     def cast(self) -> tuple[str, str]:
         glob, sep, dtype = self.arg.rpartition("=")
         if not sep or not glob:
-            raise PlanError(f"--cast {self.arg!r}: expected GLOB=DTYPE")
+            raise PlanError(f"{{cast}} {self.arg!r}: expected GLOB=DTYPE")
         check_glob(glob)
         try:
             return glob, castable_dtype(dtype)
         except ValueError as e:
-            raise PlanError(f"--cast {self.arg!r}: {e}") from None
+            raise PlanError(f"{{cast}} {self.arg!r}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Rules:
             try:
                 object.__setattr__(self, "dtype", castable_dtype(self.dtype))
             except ValueError as e:
-                raise PlanError(f"--dtype: {e}") from None
+                raise PlanError(f"{{dtype}}: {e}") from None
 
     def __add__(self, other: Rules) -> Rules:
         return Rules(self.rules + other.rules, other.dtype or self.dtype)
@@ -166,7 +166,7 @@ def rules_from(items: Iterable[Rule | Mapping[str, str]]) -> tuple[Rule, ...]:
         try:
             rules.append(Rule(kind, arg))
         except PlanError as e:
-            raise PlanError(f"rules[{i}]: {e}") from None
+            raise PlanError(f"rules[{i}]: {e.message}") from None  # its marks kept
     return tuple(rules)
 
 
@@ -187,11 +187,11 @@ def load_rules(path: str | Path) -> Rules:
     try:
         rules = rules_from(doc.get("rules", []))
     except PlanError as e:
-        raise PlanError(str(e), path) from None
+        raise PlanError(e.message, path) from None
     dtype = doc.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise PlanError("dtype must be a string", path)
     try:
         return Rules(rules, dtype)
     except PlanError as e:
-        raise PlanError(str(e), path) from None
+        raise PlanError(e.message, path) from None

@@ -170,10 +170,10 @@ def _index(path: Path, select: str | None = None, zero: bool = False, keep_tied:
 
         return index_verl(path, layout.root, select, keep_tied)
     if zero:
-        raise layout.zero_unclear or CheckpointError("--zero given, but there is no DeepSpeed ZeRO state here", path)
+        raise layout.zero_unclear or CheckpointError("{zero} given, but there is no DeepSpeed ZeRO state here", path)
     if layout.kind == "fsdp":
         if select not in (None, fsdp.MODEL_KEY):
-            raise CheckpointError(f"--key {select}: an FSDP model folder is read as its one item, 'model'", path)
+            raise CheckpointError(f"{{key}} {select}: an FSDP model folder is read as its one item, 'model'", path)
         return untie_fsdp(not_empty(_index_distributed(path, layout, None), "FSDP"), keep_tied)
     if layout.kind != "files":
         return tied_kept(not_empty(_index_distributed(path, layout, select), "DCP"), keep_tied)
@@ -238,7 +238,7 @@ def _placeholders(
         shown = listing([repr(n) for n in unknown], 3)
         raise CheckpointError(
             f"size-0 tensors {shown} are not in the ZeRO state in {rel}: not ZeRO-3 placeholders, "
-            "and not the model (pass --zero to read the ZeRO state alone)",
+            "and not the model (pass {zero} to read the ZeRO state alone)",
             what,
         )
     held = [n for n in empty if found.tensors[n].numel]

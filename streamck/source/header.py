@@ -348,7 +348,7 @@ def encode_header(
     if length > MAX_HEADER:
         raise OutputError(
             f"the header of one file would be {length} bytes, above the {MAX_HEADER}-byte "
-            "cap of safetensors readers; split the output with --max-shard-size"
+            "cap of safetensors readers; split the output with {max_shard_size}"
         )
     parts[0] = struct.pack("<Q", length)
     return b"".join(parts)  # one copy: the parts and the header are the peak

@@ -166,7 +166,7 @@ def incomplete(path: Path, shards: list[Path]) -> CheckpointError | None:
         if missing:
             return CheckpointError(
                 f"incomplete: {len(missing)} of {total} shards missing ({listing(missing, 4)}) and no index; "
-                "an output whose --part runs have not all finished?",
+                "an output whose {part} runs have not all finished?",
                 path,
             )
     return None
@@ -373,7 +373,8 @@ def find_layout(path: Path) -> Layout:
     found = steps(path)
     if found:
         listed = ", ".join(map(str, found))
-        raise CheckpointError(f"a training run root with steps {listed}: pick one with --step N or --step latest", path)
+        pick = "pick one with {step} N or {step} latest"
+        raise CheckpointError(f"a training run root with steps {listed}: {pick}", path)
     raise no_weights(path)
 
 

@@ -72,7 +72,7 @@ def pick_step(path: Path, step: str | int) -> tuple[Path, str]:
     found = steps(path) if path.is_dir() else {}
     if not found:
         kinds = ", ".join(STEP_DIRS)
-        raise CheckpointError(f"--step given, but there are no step folders here ({kinds})", path)
+        raise CheckpointError(f"{{step}} given, but there are no step folders here ({kinds})", path)
     if step == "latest":
         picked, why = _latest(path, found)
         return picked, f"--step latest: {picked.name} ({why})"

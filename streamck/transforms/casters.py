@@ -16,4 +16,4 @@ def make_caster(device: str, chunk: int = CAST_CHUNK) -> Caster | CudaCaster:
         return Caster(chunk)
     if device.split(":")[0] == "cuda":
         return CudaCaster(chunk, device)
-    raise UsageError(f"--device {device}: only cpu and cuda are supported")
+    raise UsageError(f"{{device}} {device}: only cpu and cuda are supported")

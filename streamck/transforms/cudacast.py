@@ -59,7 +59,7 @@ def pipeline(
 def _device_error(device: str, e: BaseException) -> DeviceError:
     """A CUDA failure (no memory, a bad ordinal, a driver error) as one line."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return DeviceError(f"--device {device}: {first}")
+    return DeviceError(f"{{device}} {device}: {first}")
 
 
 class CudaCaster:
@@ -76,11 +76,13 @@ class CudaCaster:
         import torch
 
         if not torch.cuda.is_available():
-            raise DeviceError(f"--device {device}: no usable CUDA device (torch.cuda.is_available() is False)")
+            raise DeviceError(f"{{device}} {device}: no usable CUDA device (torch.cuda.is_available() is False)")
         index = torch.device(device).index
         count = torch.cuda.device_count()
         if index is not None and index >= count:
-            raise DeviceError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+            raise DeviceError(
+                f"{{device}} {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
         self.chunk, self.name = chunk, device
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         try:

@@ -82,8 +82,8 @@ def by_source_file(tensors: list[OutputTensor]) -> list[list[OutputTensor]]:
         paths = t.source.paths
         if len(paths) != 1:
             raise UsageError(
-                f"--keep-shards writes one file per source file, and {t.name} is assembled from "
-                f"{len(paths)} files; drop --keep-shards"
+                f"{{keep_shards}} writes one file per source file, and {t.name} is assembled from "
+                f"{len(paths)} files; drop {{keep_shards}}"
             )
         groups.setdefault(paths[0], []).append(t)
     files = sorted(groups, key=lambda p: _natural(str(p)))

@@ -24,7 +24,7 @@ def parse_part(text: str) -> tuple[int, int]:
     """``K/N`` (1 ≤ K ≤ N) as the 1-based pair."""
     m = _PART.match(text.strip())
     if m is None or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise UsageError(f"--part {text!r}: give K/N with 1 <= K <= N, e.g. 2/8")
+        raise UsageError(f"{{part}} {text!r}: give K/N with 1 <= K <= N, e.g. 2/8")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -43,14 +43,14 @@ def check_directory(out: Path, names: list[str]) -> None:
     """The output directory may hold only this output's files (other parts' finished files,
     this part's from an earlier try) and the temporaries of parts still running."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise OutputError("--part writes into a directory, and this is not one", out)
+        raise OutputError("{part} writes into a directory, and this is not one", out)
     if not out.exists():
         return
     ours = set(names)
     other = sorted(p.name for p in out.iterdir() if p.name not in ours and not is_temporary(p.name))
     if other:
         raise OutputError(
-            f"holds files that are not part of this output: {listing(other)}; --part writes only into a "
+            f"holds files that are not part of this output: {listing(other)}; {{part}} writes only into a "
             "directory that is empty or holds this output's own files",
             out,
         )

@@ -197,7 +197,7 @@ def reporter(
     if mode is True or mode is False or mode is None:
         mode = "bar" if mode else "none"
     if mode not in MODES:
-        raise UsageError(f"--progress {mode}: one of {', '.join(MODES)}")
+        raise UsageError(f"{{progress}} {mode}: one of {', '.join(MODES)}")
     if mode == "auto":
         mode = "bar" if out.isatty() else "log"
     if mode == "log":

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamck.errors import PlanError, UsageError
+from streamck.errors import PlanError, UsageError, spelled
 from streamck.plan.eagle3.layout import (
     CONFIG_AUX_KEYS,
     DEFAULT_AUX,
@@ -49,7 +49,8 @@ class AuxLayers:
         """One line for the notice and the dry run: the ids, their source, what each reader gets."""
         served = "; ".join(f"{who}'s {'.'.join(path)} {self.shifted(shift)}" for path, shift, who in keys)
         held = f" in {self.where}" if self.where is not None else ""
-        return f"aux layers {list(self.ids)} (outputs of target layers) from {self.source}{held}; written as {served}"
+        source = spelled(self.source, cli=True)  # a notice, printed as it is: the command line's words
+        return f"aux layers {list(self.ids)} (outputs of target layers) from {source}{held}; written as {served}"
 
 
 def default_aux_layer_ids(n: int) -> list[int]:
@@ -66,7 +67,7 @@ def parse_aux_layer_ids(value: str | Sequence[int]) -> list[int]:
             return [int(p) for p in parts]
     elif isinstance(value, Sequence) and value and all(type(k) is int and k >= 0 for k in value):
         return list(value)
-    raise UsageError(f"--aux-layer-ids takes target layer numbers like 1,15,28, not {value!r}")
+    raise UsageError(f"{{aux_layer_ids}} takes target layer numbers like 1,15,28, not {value!r}")
 
 
 def recipe_snapshot(path: str | os.PathLike, directory: Path) -> Path | None:
@@ -90,7 +91,7 @@ def _recipe_ids(snapshot: Path) -> object:
         raise PlanError(f"cannot read: {e.strerror}", snapshot) from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         reason = str(e).splitlines()[0]
-        raise PlanError(f"not a readable recipe snapshot ({reason}); pass --aux-layer-ids", snapshot) from None
+        raise PlanError(f"not a readable recipe snapshot ({reason}); pass {{aux_layer_ids}}", snapshot) from None
     node = recipe
     for key in RECIPE_AUX_KEY:
         node = node.get(key) if isinstance(node, dict) else None
@@ -125,7 +126,7 @@ def resolve_aux_layers(
     target layers. Raises PlanError for ids that are not a list of layer numbers, or for a
     snapshot and config that disagree."""
     if given is not None:
-        return AuxLayers(tuple(parse_aux_layer_ids(given)), "--aux-layer-ids")
+        return AuxLayers(tuple(parse_aux_layer_ids(given)), "{aux_layer_ids}")
     snapshot = recipe_snapshot(path, directory)
     recipe = _recipe_ids(snapshot) if snapshot is not None else None
     where = directory / "config.json"

@@ -13,6 +13,8 @@ Read from (the versions each table follows):
   models/eagle3/core.py (Eagle3DraftModel) and config.py (SpeculatorsConfig).
 """
 
+from streamck.plan.contract import Row
+
 SOURCE_VERSION = "nemo_automodel 0.7.0"
 ENGINE_VERSIONS = "vLLM 0.33 (llama_eagle3.py), SGLang 0.5.23 (llama_eagle3.py)"
 SPECULATORS_VERSION = "0.9.0"
@@ -147,29 +149,29 @@ STRUCTURE_LABELS = {
 }
 
 FLOAT = ("F32", "BF16", "F16")
-# (serving key, training key, shape as products of symbols, allowed dtypes)
+# streamck.plan.contract.Row: serving key (out), training key (src), shape as products of symbols, allowed dtypes
 TENSORS = (
-    ("embed_tokens.weight", "model.embed_tokens.weight", ("V", "H"), FLOAT),
-    ("fc.weight", "model.fc.weight", ("H", "A*T"), FLOAT),
-    ("layers.0.hidden_norm.weight", "model.layers.0.hidden_norm.weight", ("H",), FLOAT),
-    ("layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight", ("H",), FLOAT),
-    ("layers.0.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", ("H",), FLOAT),
-    ("layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", ("nh*d", "2*H"), FLOAT),
-    ("layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight", ("nkv*d", "2*H"), FLOAT),
-    ("layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.v_proj.weight", ("nkv*d", "2*H"), FLOAT),
-    ("layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight", ("H", "nh*d"), FLOAT),
-    ("layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight", ("I", "H"), FLOAT),
-    ("layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight", ("I", "H"), FLOAT),
-    ("layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight", ("H", "I"), FLOAT),
-    ("norm.weight", "model.norm.weight", ("H",), FLOAT),
-    ("lm_head.weight", "lm_head.weight", ("Vd", "H"), FLOAT),
+    Row("embed_tokens.weight", "model.embed_tokens.weight", ("V", "H"), FLOAT),
+    Row("fc.weight", "model.fc.weight", ("H", "A*T"), FLOAT),
+    Row("layers.0.hidden_norm.weight", "model.layers.0.hidden_norm.weight", ("H",), FLOAT),
+    Row("layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight", ("H",), FLOAT),
+    Row("layers.0.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", ("H",), FLOAT),
+    Row("layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", ("nh*d", "2*H"), FLOAT),
+    Row("layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight", ("nkv*d", "2*H"), FLOAT),
+    Row("layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.v_proj.weight", ("nkv*d", "2*H"), FLOAT),
+    Row("layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight", ("H", "nh*d"), FLOAT),
+    Row("layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight", ("I", "H"), FLOAT),
+    Row("layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight", ("I", "H"), FLOAT),
+    Row("layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight", ("H", "I"), FLOAT),
+    Row("norm.weight", "model.norm.weight", ("H",), FLOAT),
+    Row("lm_head.weight", "lm_head.weight", ("Vd", "H"), FLOAT),
 )
 # One per aux hidden state ({i} = 0 .. A-1), exactly when fc_norm is true (EAGLE-3.1).
-FC_NORM = ("fc_norm.{i}.weight", "model.fc_norm.{i}.weight", ("T",), FLOAT)
+FC_NORM = Row("fc_norm.{i}.weight", "model.fc_norm.{i}.weight", ("T",), FLOAT)
 # Exactly when norm_before_fc: one RMSNorm over the concatenated aux states (both engines: input_norm).
-NORM_BEFORE_FC = ("input_norm.weight", "model.input_norm.weight", ("A*T",), FLOAT)
+NORM_BEFORE_FC = Row("input_norm.weight", "model.input_norm.weight", ("A*T",), FLOAT)
 # Exactly when draft_vocab_size < vocab_size: d2t[i] = target id - i (vLLM), t2d a target mask (SGLang skips it).
 VOCAB_MAP = (
-    ("d2t", "d2t", ("Vd",), ("I64",)),
-    ("t2d", "t2d", ("V",), ("BOOL",)),
+    Row("d2t", "d2t", ("Vd",), ("I64",)),
+    Row("t2d", "t2d", ("V",), ("BOOL",)),
 )

@@ -17,6 +17,7 @@ from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError, UsageError, listing
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
 from streamck.plan.contract import (
+    Row,
     check_shape,
     check_sizes,
     compare_keys,
@@ -57,8 +58,6 @@ from streamck.plan.eagle3.layout import (
 from streamck.plan.rules import Rules
 from streamck.source import open_checkpoint
 from streamck.source.layout import HF_METADATA
-
-Row = tuple[str, str, tuple[str, ...], tuple[str, ...]]
 
 
 def flag(config: dict, name: str) -> bool:
@@ -137,8 +136,7 @@ def table(config: dict, symbols: dict[str, int]) -> list[Row]:
     if flag(config, "norm_before_fc"):
         rows.append(NORM_BEFORE_FC)
     if flag(config, "fc_norm"):
-        serve, train, shape, dtypes = FC_NORM
-        rows += [(serve.format(i=i), train.format(i=i), shape, dtypes) for i in range(symbols["A"])]
+        rows += [FC_NORM.at(i=i) for i in range(symbols["A"])]
     if symbols["Vd"] < symbols["V"]:
         rows += VOCAB_MAP
     return rows
@@ -226,7 +224,7 @@ def _check_tensors(names: set[str], rows: list[Row], symbols: dict[str, int], wh
             where,
         )
     V, Vd = symbols["V"], symbols["Vd"]
-    maps = [train for _, train, _, _ in VOCAB_MAP]
+    maps = [r.src for r in VOCAB_MAP]
     present = [m for m in maps if m in names]
     if Vd == V and present:
         raise PlanError(
@@ -241,7 +239,7 @@ def _check_tensors(names: set[str], rows: list[Row], symbols: dict[str, int], wh
             "a zero draft-to-target map and SGLang no hot-token map",
             where,
         )
-    expected = {train for _, train, _, _ in rows}
+    expected = {r.src for r in rows}
     compare_keys(expected, names, "training tensors do not match the EAGLE-3 table", where)
 
 
@@ -259,19 +257,19 @@ def _compile(
     rows = table(config, symbols)
     _check_tensors(set(ckpt.tensors), rows, symbols, directory)
     tensors = []
-    for serve, train, exprs, dtypes in rows:
-        ref = ckpt.tensors[train]
-        want = tuple(evaluate(e, symbols) for e in exprs)
-        if train == "lm_head.weight" and ref.shape[:1] != want[:1]:
+    for r in rows:
+        ref = ckpt.tensors[r.src]
+        want = tuple(evaluate(e, symbols) for e in r.shape)
+        if r.src == "lm_head.weight" and ref.shape[:1] != want[:1]:
             raise PlanError(
                 f"lm_head.weight has {ref.shape[0] if ref.shape else 0} rows, draft_vocab_size is "
                 f"{symbols['Vd']} (shape {list(ref.shape)}, expected {list(want)})",
                 directory,
             )
-        check_shape(train, ref.shape, exprs, symbols, SYMBOLS, directory)
-        if ref.dtype not in dtypes:
-            raise PlanError(f"{train} is {ref.dtype}; expected {' or '.join(dtypes)}", directory)
-        tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))
+        check_shape(r.src, ref.shape, r.shape, symbols, SYMBOLS, directory)
+        if ref.dtype not in r.dtypes:
+            raise PlanError(f"{r.src} is {ref.dtype}; expected {' or '.join(r.dtypes)}", directory)
+        tensors.append(OutputTensor(r.out, ref, resolve_dtype(rules, ref)))
     tensors.sort(key=lambda t: t.name)
     return directory, config, symbols, aux, tensors, ckpt
 
@@ -292,8 +290,23 @@ def _plan(tensors, ckpt, directory: Path, symbols: dict, note: str, body: dict, 
         source=ckpt,
         summary=summary,
         single_file=True,
-        notices=[note],
+        notices=[note, *_dtype_notes(tensors, body)],
     )
+
+
+def _dtype_notes(tensors: list[OutputTensor], body: dict) -> list[str]:
+    """A note where weights are written in a dtype other than the served config's (Automodel saves
+    float32 weights under the target's bfloat16; no --dtype cast): vLLM 0.32 casts each as it loads
+    it, with a warning a weight (tests/test_vllm.py)."""
+    served = body.get("dtype")
+    stored = sorted({t.dtype for t in tensors if TORCH_NAMES.get(t.dtype) != served})
+    short = {name: dtype for dtype, name in TORCH_NAMES.items()}.get(served)
+    if not stored or short is None:
+        return []
+    return [
+        f"the weights are {', '.join(stored)} and the served config says {served}: vLLM casts each as it "
+        f"loads it, warning once a weight; --dtype {short.lower()} writes them as served"
+    ]
 
 
 def eagle3_plan(
@@ -308,7 +321,7 @@ def eagle3_plan(
     or a step holding only shards. ``aux_layer_ids`` (Automodel's convention: the outputs of
     those target layers) overrides the ids the step records. Only cast rules may accompany it."""
     if verifier is not None:
-        raise UsageError("--verifier applies to --plan eagle3-speculators only")
+        raise UsageError("{verifier} applies to {plan} eagle3-speculators only")
     directory, config, symbols, aux, tensors, ckpt = _compile(path, rules, "eagle3", aux_layer_ids)
     body = serving_config(config, symbols, aux, (rules or Rules()).dtype)
     note = aux.note(AUX_ID_KEYS)
@@ -325,18 +338,18 @@ def eagle3_speculators_plan(
     """Compile the same tensors under a speculators 0.9 config whose verifier is
     ``verifier`` (a Hugging Face id or path; required)."""
     if not verifier or not isinstance(verifier, str) or not verifier.strip():
-        raise UsageError("--plan eagle3-speculators needs --verifier ORG/NAME (the target model)")
+        raise UsageError("{plan} eagle3-speculators needs {verifier} ORG/NAME (the target model)")
     directory, config, symbols, aux, tensors, ckpt = _compile(path, rules, "eagle3-speculators", aux_layer_ids)
     if flag(config, "norm_before_fc") and flag(config, "fc_norm"):
         raise PlanError(
             f"norm_before_fc and fc_norm are both true: speculators {SPECULATORS_VERSION} takes one or the "
-            "other; use --plan eagle3",
+            "other; use {plan} eagle3",
             directory / "config.json",
         )
     if symbols["T"] != symbols["H"]:
         raise PlanError(
             f"target_hidden_size {symbols['T']} differs from hidden_size {symbols['H']}: speculators "
-            f"{SPECULATORS_VERSION} builds fc and fc_norm on hidden_size; use --plan eagle3",
+            f"{SPECULATORS_VERSION} builds fc and fc_norm on hidden_size; use {{plan}} eagle3",
             directory / "config.json",
         )
     body = speculators_config(config, symbols, aux, verifier, (rules or Rules()).dtype)

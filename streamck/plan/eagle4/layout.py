@@ -1,6 +1,8 @@
 """The EAGLE-4 contract (``docs/eagle4.md``) as data: the config key lists, the
 shape symbols, and the training → serving tensor table. ``eagle4.py`` holds the checks."""
 
+from streamck.plan.contract import Row
+
 ARCHITECTURE = "LlamaForCausalLMEagle4"
 
 # Serving config: these keys are set, these are copied when present, nothing else survives.
@@ -68,37 +70,37 @@ STRUCTURE_LABELS = {
     "R": "R",
 }
 
-# (serving key, training key, shape as products of symbols)
+# streamck.plan.contract.Row: serving key (out), training key (src), shape as products of symbols
 TENSORS = (
-    ("fc.weight", "model.fc.weight", ("H", "A*T")),
-    ("layers.0.hidden_norm.weight", "model.layers.0.hidden_norm.weight", ("H",)),
-    ("layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight", ("H",)),
-    ("layers.0.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", ("H",)),
-    ("layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", ("nh*d", "2*H")),
-    ("layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight", ("nkv*d", "2*H")),
-    ("layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.v_proj.weight", ("nkv*d", "2*H")),
-    ("layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight", ("H", "nh*d")),
-    ("layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight", ("I", "H")),
-    ("layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight", ("I", "H")),
-    ("layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight", ("H", "I")),
-    ("norm.weight", "model.norm.weight", ("H",)),
-    ("embed_tokens.weight", "model.embed_tokens.weight", ("V", "H")),
-    ("lm_head.weight", "lm_head.weight", ("V", "H")),
-    ("efficient_lm_head_down_proj.weight", "efficient_lm_head_down_proj.weight", ("R", "H")),
-    ("efficient_lm_head.weight", "efficient_lm_head.weight", ("V", "R")),
+    Row("fc.weight", "model.fc.weight", ("H", "A*T")),
+    Row("layers.0.hidden_norm.weight", "model.layers.0.hidden_norm.weight", ("H",)),
+    Row("layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight", ("H",)),
+    Row("layers.0.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", ("H",)),
+    Row("layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", ("nh*d", "2*H")),
+    Row("layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight", ("nkv*d", "2*H")),
+    Row("layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.v_proj.weight", ("nkv*d", "2*H")),
+    Row("layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight", ("H", "nh*d")),
+    Row("layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight", ("I", "H")),
+    Row("layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight", ("I", "H")),
+    Row("layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight", ("H", "I")),
+    Row("norm.weight", "model.norm.weight", ("H",)),
+    Row("embed_tokens.weight", "model.embed_tokens.weight", ("V", "H")),
+    Row("lm_head.weight", "lm_head.weight", ("V", "H")),
+    Row("efficient_lm_head_down_proj.weight", "efficient_lm_head_down_proj.weight", ("R", "H")),
+    Row("efficient_lm_head.weight", "efficient_lm_head.weight", ("V", "R")),
 )
 # Present exactly when their config flag is true.
 BIASES = {
     "attention_bias": (
-        ("layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias", ("nh*d",)),
-        ("layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.k_proj.bias", ("nkv*d",)),
-        ("layers.0.self_attn.v_proj.bias", "model.layers.0.self_attn.v_proj.bias", ("nkv*d",)),
-        ("layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.o_proj.bias", ("H",)),
+        Row("layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias", ("nh*d",)),
+        Row("layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.k_proj.bias", ("nkv*d",)),
+        Row("layers.0.self_attn.v_proj.bias", "model.layers.0.self_attn.v_proj.bias", ("nkv*d",)),
+        Row("layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.o_proj.bias", ("H",)),
     ),
     "mlp_bias": (
-        ("layers.0.mlp.gate_proj.bias", "model.layers.0.mlp.gate_proj.bias", ("I",)),
-        ("layers.0.mlp.up_proj.bias", "model.layers.0.mlp.up_proj.bias", ("I",)),
-        ("layers.0.mlp.down_proj.bias", "model.layers.0.mlp.down_proj.bias", ("H",)),
+        Row("layers.0.mlp.gate_proj.bias", "model.layers.0.mlp.gate_proj.bias", ("I",)),
+        Row("layers.0.mlp.up_proj.bias", "model.layers.0.mlp.up_proj.bias", ("I",)),
+        Row("layers.0.mlp.down_proj.bias", "model.layers.0.mlp.down_proj.bias", ("H",)),
     ),
 }
 SECOND_LAYER_PREFIX = "model.layers."

@@ -15,6 +15,7 @@ from streamck.dtypes import TORCH_NAMES
 from streamck.errors import PlanError
 from streamck.plan.compile import OutputTensor, Plan, resolve_dtype
 from streamck.plan.contract import (
+    Row,
     check_shape,
     check_sizes,
     compare_keys,
@@ -59,7 +60,7 @@ def structure(config: dict, where: Path) -> dict[str, int]:
         kind = ", ".join(map(str, config.get("architectures") or [])) or config.get("model_type") or "a model"
         raise refuse(
             f"is not an EAGLE draft's config ({kind}, no eagle_config or efficient_lm_head keys): "
-            "--plan eagle4 exports a trained EAGLE-4 draft"
+            "{plan} eagle4 exports a trained EAGLE-4 draft"
         )
     check_sizes(config, REQUIRED_SIZES, OPTIONAL_SIZES, where)
     eps = config.get("rms_norm_eps")
@@ -105,7 +106,7 @@ def structure(config: dict, where: Path) -> dict[str, int]:
     }
 
 
-def table(config: dict) -> list[tuple[str, str, tuple[str, ...]]]:
+def table(config: dict) -> list[Row]:
     """The contract's tensor rows for this config, biases included where their flag is true."""
     rows = list(TENSORS)
     for flag, extra in BIASES.items():
@@ -118,7 +119,7 @@ def training_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Training key -> shape that the contract expects for ``config`` (PlanError if the
     config is not a supported EAGLE-4 draft)."""
     symbols = structure(config, Path("config.json"))
-    return {train: tuple(evaluate(e, symbols) for e in exprs) for _, train, exprs in table(config)}
+    return {r.src: tuple(evaluate(e, symbols) for e in r.shape) for r in table(config)}
 
 
 def serving_config(config: dict, dtype: str | None = None) -> dict:
@@ -150,15 +151,14 @@ def eagle4_plan(path: str | os.PathLike, rules: Rules | None = None) -> Plan:
             directory,
         )
     rows = table(config)
-    expected = {train: (serve, shape) for serve, train, shape in rows}
-    compare_keys(expected, ckpt.tensors, "training tensors do not match the EAGLE-4 table", directory)
+    compare_keys([r.src for r in rows], ckpt.tensors, "training tensors do not match the EAGLE-4 table", directory)
     tensors = []
-    for serve, train, exprs in rows:
-        ref = ckpt.tensors[train]
-        check_shape(train, ref.shape, exprs, symbols, SYMBOLS, directory)
+    for r in rows:
+        ref = ckpt.tensors[r.src]
+        check_shape(r.src, ref.shape, r.shape, symbols, SYMBOLS, directory)
         if ref.dtype not in FLOAT_DTYPES:
-            raise PlanError(f"{train} is {ref.dtype}; EAGLE-4 tensors are F32, BF16 or F16", directory)
-        tensors.append(OutputTensor(serve, ref, resolve_dtype(rules, ref)))
+            raise PlanError(f"{r.src} is {ref.dtype}; EAGLE-4 tensors are F32, BF16 or F16", directory)
+        tensors.append(OutputTensor(r.out, ref, resolve_dtype(rules, ref)))
     tensors.sort(key=lambda t: t.name)
     body = json.dumps(serving_config(config, rules.dtype), indent=2, sort_keys=True) + "\n"
     summary = [

@@ -107,10 +107,10 @@ def read_config(adapter: Path) -> LoraConfig:
         raise PlanError("is not a JSON object", path)
     kind = raw.get("peft_type", "LORA")
     if kind != "LORA":
-        raise PlanError(f"is a {kind} adapter; --merge-lora merges LoRA adapters only", path)
+        raise PlanError(f"is a {kind} adapter; {{merge_lora}} merges LoRA adapters only", path)
     for key, what in REFUSED.items():
         if raw.get(key):
-            raise PlanError(f"{key} is set: {what} is not supported by --merge-lora", path)
+            raise PlanError(f"{key} is set: {what} is not supported by {{merge_lora}}", path)
     for key, valid, what in (("r", _rank, "a positive integer"), ("lora_alpha", _alpha, "a number")):
         if key not in raw:
             raise PlanError(f"has no {key}", path)

@@ -70,7 +70,7 @@ def merge_lora(
     source = open_checkpoint(weights_file(adapter))
     base = plan.source
     if base is None:
-        raise PlanError("--merge-lora needs a plan read from a base checkpoint")
+        raise PlanError("{merge_lora} needs a plan read from a base checkpoint")
     if not any_base:
         _check_base_name(config, base)
     modules, copies, originals = _parse(source)
@@ -309,7 +309,7 @@ def _check_base_name(config: LoraConfig, base: Checkpoint) -> None:
     if recorded.split("/")[-1] not in names:
         raise PlanError(
             f"the adapter was trained on {recorded!r} (base_model_name_or_path), not {base.root.name}; "
-            "pass --merge-lora-any-base if it is the same model",
+            "pass {merge_lora_any_base} if it is the same model",
             config.path,
         )
 

@@ -60,7 +60,7 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
         raise UsageError(f"experts={mode!r}: one of {', '.join(MODES)}")
     if builtin is not None:
         if mode != "auto":
-            raise UsageError(f"--keep-fused and --fuse-experts do not apply to --plan {builtin}")
+            raise UsageError(f"{{keep_fused}} and {{fuse_experts}} do not apply to {{plan}} {builtin}")
         return plan
     blocks = blocks_of(plan)
     if not blocks and mode != "fuse":
@@ -69,7 +69,7 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
     fused = any(b.fused for b in blocks.values())
     if config is None:
         if mode == "fuse" and blocks:
-            raise PlanError("--fuse-experts needs the model's config.json beside the checkpoint (its model_type)")
+            raise PlanError("{fuse_experts} needs the model's config.json beside the checkpoint (its model_type)")
         if fused and mode == "auto":
             plan.notices.append(NO_CONFIG)
         return plan
@@ -82,7 +82,7 @@ def apply_experts(plan: Plan, mode: str = "auto", *, builtin: str | None = None)
     if fam is None:
         if mode == "keep":
             return plan
-        hint = " (--keep-fused writes them as they are)" if fused and mode == "auto" else ""
+        hint = " ({keep_fused} writes them as they are)" if fused and mode == "auto" else ""
         if model_type in REFUSED:
             raise PlanError(f"model_type {model_type!r}: experts not rewritten, {REFUSED[model_type]}{hint}", path)
         known = ", ".join(sorted(FAMILIES))

@@ -162,7 +162,7 @@ def fuse_block(
     out += fused_scales(ts, per + spares, run, inter, tile)
     expert_names = {n for ids in b.experts.values() for n in ids.values()}
     expert_names |= {scale_name(n) for n in expert_names}
-    refuse_other({n: t for n, t in ts.items() if n not in expert_names}, b, "--fuse-experts")
+    refuse_other({n: t for n, t in ts.items() if n not in expert_names}, b, "{fuse_experts}")
     for name, t in ts.items():
         if name.startswith(b.name + ".") and name not in expert_names:
             out.append(replace(t, name=f"{run}.{fam.runtime_suffix(name[len(b.name) + 1 :])}"))

@@ -23,7 +23,7 @@ FUSED_SCALES = (f"{GATE_UP}_scale_inv", f"{DOWN}_scale_inv")
 # quantization tensors no fused layout holds (compressed-tensors', packed FP4's, gpt-oss's)
 OTHER = ("weight_scale", "weight_packed", "weight_global_scale", "weight_zero_point", "input_scale")
 OTHER_FUSED = ("_scale", "_scales", "_blocks", "_packed", "_global_scale", "_input_scale", "_activation_scale")
-DEQUANTIZE_FIRST = "dequantize them first (--dtype bf16), then fuse or split the dequantized checkpoint"
+DEQUANTIZE_FIRST = "dequantize them first ({dtype} bf16), then fuse or split the dequantized checkpoint"
 
 
 def tile_rows(config: dict) -> int:
@@ -58,10 +58,10 @@ def fused_scales(
         return []
     lacking = [n for ex in names for n in ex if n not in ts]
     if lacking:
-        raise PlanError(f"--fuse-experts: {lacking[0]} is missing (its expert's others have scales)")
+        raise PlanError(f"{{fuse_experts}}: {lacking[0]} is missing (its expert's others have scales)")
     if inter % tile:
         raise PlanError(
-            f"--fuse-experts: {run}'s gate/up ({inter} rows) is no multiple of the {tile}-row FP8 tile, so their "
+            f"{{fuse_experts}}: {run}'s gate/up ({inter} rows) is no multiple of the {tile}-row FP8 tile, so their "
             f"scales cannot be fused; {DEQUANTIZE_FIRST}"
         )
     gu = [ts[n].source for ex in names for n in ex[:2]]
@@ -69,10 +69,10 @@ def fused_scales(
     try:
         gu_ref, dn_ref = concat(f"{run}.experts.{FUSED_SCALES[0]}", gu), concat(f"{run}.experts.{FUSED_SCALES[1]}", dn)
     except ValueError as e:
-        raise PlanError(f"--fuse-experts {run}: {e}") from None
+        raise PlanError(f"{{fuse_experts}} {run}: {e}") from None
     g, d = gu[0].shape, dn[0].shape
     if len(g) != 2 or len(d) != 2 or any(s.shape != g for s in gu) or any(s.shape != d for s in dn):
-        raise PlanError(f"--fuse-experts {run}: the experts' {SCALE} shapes differ")
+        raise PlanError(f"{{fuse_experts}} {run}: the experts' {SCALE} shapes differ")
     return [
         OutputTensor(gu_ref.name, gu_ref._replace(shape=(len(per), 2 * g[0], g[1])), ts[names[0][0]].dtype),
         OutputTensor(dn_ref.name, dn_ref._replace(shape=(len(dn), *d)), ts[names[0][2]].dtype),

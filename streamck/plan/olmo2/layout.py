@@ -1,31 +1,34 @@
 """OLMo-core's OLMo 2 parameter names against Hugging Face's ``Olmo2ForCausalLM``, as data.
 
-Each row: Hugging Face name, OLMo-core name, and its shape in the config's symbols
-(streamck.plan.hf_export.SYMBOLS); ``{i}`` is the layer index. Source: OLMo-core 3.0.0
+Each row (streamck.plan.contract.Row): Hugging Face name (``out``), OLMo-core name (``src``),
+and its shape in the config's symbols (streamck.plan.hf_export.SYMBOLS); ``{i}`` is the layer
+index. Source: OLMo-core 3.0.0
 ``olmo_core/nn/hf/convert.py`` (``OLMO_CORE_TO_HF_WEIGHT_MAPPINGS``): OLMo 2's blocks are
 "reordered norm" blocks, whose norms come after attention and feed-forward, so
 ``attention_norm`` is Hugging Face's ``post_attention_layernorm``; its q/k norms span all
 heads (``nh*d`` and ``nkv*d``), not one head.
 """
 
+from streamck.plan.contract import Row
+
 LAYER = (
-    ("model.layers.{i}.self_attn.q_proj.weight", "blocks.{i}.attention.w_q.weight", ("nh*d", "H")),
-    ("model.layers.{i}.self_attn.k_proj.weight", "blocks.{i}.attention.w_k.weight", ("nkv*d", "H")),
-    ("model.layers.{i}.self_attn.v_proj.weight", "blocks.{i}.attention.w_v.weight", ("nkv*d", "H")),
-    ("model.layers.{i}.self_attn.o_proj.weight", "blocks.{i}.attention.w_out.weight", ("H", "nh*d")),
-    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.{i}.attention.q_norm.weight", ("nh*d",)),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.{i}.attention.k_norm.weight", ("nkv*d",)),
-    ("model.layers.{i}.mlp.gate_proj.weight", "blocks.{i}.feed_forward.w1.weight", ("I", "H")),
-    ("model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.feed_forward.w2.weight", ("H", "I")),
-    ("model.layers.{i}.mlp.up_proj.weight", "blocks.{i}.feed_forward.w3.weight", ("I", "H")),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.attention_norm.weight", ("H",)),
-    ("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.{i}.feed_forward_norm.weight", ("H",)),
+    Row("model.layers.{i}.self_attn.q_proj.weight", "blocks.{i}.attention.w_q.weight", ("nh*d", "H")),
+    Row("model.layers.{i}.self_attn.k_proj.weight", "blocks.{i}.attention.w_k.weight", ("nkv*d", "H")),
+    Row("model.layers.{i}.self_attn.v_proj.weight", "blocks.{i}.attention.w_v.weight", ("nkv*d", "H")),
+    Row("model.layers.{i}.self_attn.o_proj.weight", "blocks.{i}.attention.w_out.weight", ("H", "nh*d")),
+    Row("model.layers.{i}.self_attn.q_norm.weight", "blocks.{i}.attention.q_norm.weight", ("nh*d",)),
+    Row("model.layers.{i}.self_attn.k_norm.weight", "blocks.{i}.attention.k_norm.weight", ("nkv*d",)),
+    Row("model.layers.{i}.mlp.gate_proj.weight", "blocks.{i}.feed_forward.w1.weight", ("I", "H")),
+    Row("model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.feed_forward.w2.weight", ("H", "I")),
+    Row("model.layers.{i}.mlp.up_proj.weight", "blocks.{i}.feed_forward.w3.weight", ("I", "H")),
+    Row("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.attention_norm.weight", ("H",)),
+    Row("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.{i}.feed_forward_norm.weight", ("H",)),
 )
 TOP = (
-    ("model.embed_tokens.weight", "embeddings.weight", ("V", "H")),
-    ("model.norm.weight", "lm_head.norm.weight", ("H",)),
+    Row("model.embed_tokens.weight", "embeddings.weight", ("V", "H")),
+    Row("model.norm.weight", "lm_head.norm.weight", ("H",)),
 )
-HEAD = ("lm_head.weight", "lm_head.w_out.weight", ("V", "H"))
+HEAD = Row("lm_head.weight", "lm_head.w_out.weight", ("V", "H"))
 # What the output config.json is: save_hf_model builds an Olmo2Config (transformers fills
 # every other key with its defaults on load).
 ARCHITECTURE = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}

@@ -55,12 +55,12 @@ def from_olmo_core(model: dict, where: Path) -> dict:
     wrong = [w for w in wrong if w[1] != w[2]]
     if wrong:
         shown = ", ".join(f"{k} is {got!r}, not {want!r}" for k, want, got in wrong)
-        raise PlanError(f"not an OLMo 2 model config ({shown}): --plan {PLAN} converts OLMo 2 only", where)
+        raise PlanError(f"not an OLMo 2 model config ({shown}): {{plan}} {PLAN} converts OLMo 2 only", where)
     for keys, what in ((("block", "sequence_mixer", "sliding_window"), "sliding-window attention (OLMo 3)"),
                        (("block", "sequence_mixer", "rope", "scaling"), "RoPE scaling"),
                        (("block", "feed_forward_moe"), "MoE blocks")):  # fmt: skip
         if _get(model, keys, None) is not None:
-            raise PlanError(f"{'.'.join(keys)} is set: {what} is not converted by --plan {PLAN}", where)
+            raise PlanError(f"{'.'.join(keys)} is set: {what} is not converted by {{plan}} {PLAN}", where)
     out = {**ARCHITECTURE}
     for hf_key, (keys, default) in MODEL_CONFIG.items():
         value = _get(model, keys, default)
@@ -70,7 +70,7 @@ def from_olmo_core(model: dict, where: Path) -> dict:
     if out["num_key_value_heads"] is None:
         out["num_key_value_heads"] = out["num_attention_heads"]
     if out["rope_theta"] is None:
-        raise PlanError(f"model config has no RoPE: --plan {PLAN} converts OLMo 2 with RoPE only", where)
+        raise PlanError(f"model config has no RoPE: {{plan}} {PLAN} converts OLMo 2 with RoPE only", where)
     out["rope_parameters"] = {"rope_theta": out["rope_theta"], "rope_type": "default"}
     return {**out, **FIXED}
 
@@ -83,7 +83,7 @@ def _config(step: Path, given: str | None) -> tuple[dict, Path]:
     if "d_model" in model:
         return from_olmo_core(model, path), path
     if config.get("model_type") != "olmo2":
-        raise PlanError(f"model_type {config.get('model_type')!r}: --plan {PLAN} writes olmo2 models", path)
+        raise PlanError(f"model_type {config.get('model_type')!r}: {{plan}} {PLAN} writes olmo2 models", path)
     return config, path
 
 
@@ -95,15 +95,15 @@ def olmo2_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config: s
     config, config_path = _config(_step(path), hf_config)
     sizes = hf_export.sizes(config, config_path)
     if config.get("attention_bias") is True:
-        raise PlanError(f"attention_bias: true, but --plan {PLAN} converts OLMo 2 without biases", config_path)
+        raise PlanError(f"attention_bias: true, but {{plan}} {PLAN} converts OLMo 2 without biases", config_path)
     ckpt = open_checkpoint(path)
     tied = config.get("tie_word_embeddings") is True
-    rows = [*TOP, *(r for i in range(sizes["L"]) for r in _layer(i)), *(() if tied else (HEAD,))]
+    rows = [*TOP, *(r.at(i=i) for i in range(sizes["L"]) for r in LAYER), *(() if tied else (HEAD,))]
     what = f"model tensors do not match a {sizes['L']}-layer OLMo 2 (from {config_path.name})"
-    compare_keys([r[1] for r in rows], ckpt.tensors, what, ckpt.root)
-    for _, key, exprs in rows:
-        hf_export.check(key, ckpt.tensors[key], exprs, sizes, ckpt.root)
-    outputs = [select(ckpt.tensors[key], name=hf_name) for hf_name, key, _ in rows]
+    compare_keys([r.src for r in rows], ckpt.tensors, what, ckpt.root)
+    for r in rows:
+        hf_export.check(r.src, ckpt.tensors[r.src], r.shape, sizes, ckpt.root)
+    outputs = [select(ckpt.tensors[r.src], name=r.out) for r in rows]
     summary = [
         "OLMo-core OLMo 2: " + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V"))
         + (", tied head" if tied else ""),
@@ -111,7 +111,3 @@ def olmo2_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config: s
     ]  # fmt: skip
     left = f"{len(outputs)} model tensors to write" + (f" ({'; '.join(ckpt.notices)})" if ckpt.notices else "")
     return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
-
-
-def _layer(i: int) -> list[tuple[str, str, tuple[str, ...]]]:
-    return [(hf.format(i=i), olmo.format(i=i), exprs) for hf, olmo, exprs in LAYER]

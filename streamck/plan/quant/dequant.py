@@ -84,7 +84,7 @@ def _grids(plan: Plan, kind: str) -> list[tuple[str, tuple[int, int] | None]]:
     if unknown:
         raise PlanError(
             f"dequantizing {', '.join(sorted(unknown))} is not supported (only {', '.join(FORMATS)}); "
-            "drop --dtype to copy it as is"
+            "drop {dtype} to copy it as is"
         )
     found = []
     for g in groups:
@@ -156,7 +156,7 @@ def dequantize_plan(plan: Plan, dtype: str) -> Plan:
             f"the source is {kind}-quantized; dequantizing it is not supported (FineGrainedFP8, gpt-oss "
             "MXFP4 and compressed-tensors FP8, NVFP4 and MXFP4 only)"
         )
-    require_torch(f"dequantizing this {kind} checkpoint (--dtype {dtype})")
+    require_torch(f"dequantizing this {kind} checkpoint ({{dtype}} {dtype})")
     grids = _grids(plan, kind) if kind != "mxfp4" else []
     by_name = {t.name: t for t in plan.tensors}
     zero = [n for n in by_name if n.endswith(".weight_zero_point")]

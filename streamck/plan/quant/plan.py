@@ -38,9 +38,9 @@ def check_scheme(scheme: str) -> str:
     """``scheme`` upper-cased if streamck quantizes to it; else a UsageError naming the choices."""
     name = scheme.upper()
     if name in NOT_YET:
-        raise UsageError(f"--quantize {scheme}: {NOT_YET[name]}")
+        raise UsageError(f"{{quantize}} {scheme}: {NOT_YET[name]}")
     if name not in SCHEMES:
-        raise UsageError(f"--quantize {scheme}: unknown scheme; one of {', '.join(SCHEMES)}")
+        raise UsageError(f"{{quantize}} {scheme}: unknown scheme; one of {', '.join(SCHEMES)}")
     return name
 
 
@@ -67,7 +67,7 @@ def ignore_list(plan: Plan, given: list[str], lm_head: bool = False) -> list[str
             try:
                 re.compile(entry[3:])
             except re.error as e:
-                raise UsageError(f"--quantize-ignore {entry!r}: {e}") from None
+                raise UsageError(f"{{quantize_ignore}} {entry!r}: {e}") from None
     modules = {t.name.rpartition(".")[0] for t in plan.tensors}
     if lm_head:
         _check_head(plan, modules, given)
@@ -82,11 +82,11 @@ def ignore_list(plan: Plan, given: list[str], lm_head: bool = False) -> list[str
 def _check_head(plan: Plan, modules: set[str], given: list[str]) -> None:
     """--quantize-lm-head needs an lm_head of its own: not also ignored, not tied to the embeddings."""
     if HEAD in given:
-        raise UsageError("--quantize-lm-head and --quantize-ignore lm_head contradict each other")
+        raise UsageError("{quantize_lm_head} and {quantize_ignore} lm_head contradict each other")
     config = output_config(plan, beside_source=True) or {}
     if HEAD not in modules or config.get("tie_word_embeddings") is True:
         why = "config.json ties it to the embeddings" if HEAD in modules else "the output has no lm_head.weight"
-        raise PlanError(f"--quantize-lm-head: {why}, and the embeddings stay in their dtype; nothing to quantize")
+        raise PlanError(f"{{quantize_lm_head}}: {why}, and the embeddings stay in their dtype; nothing to quantize")
 
 
 def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = False, pad_partial: bool = False) -> Plan:
@@ -97,7 +97,7 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
     model_free_ptq computes it. Raises UsageError (unknown scheme, bad pattern, no torch) or
     PlanError (an already-quantized source, a target the scheme cannot take)."""
     scheme = check_scheme(scheme)
-    require_torch(f"--quantize {scheme}")
+    require_torch(f"{{quantize}} {scheme}")
     _refuse_quantized(plan)
     ignore = ignore_list(plan, ignore, lm_head)
     strategy = SCHEMES[scheme][0]
@@ -109,7 +109,7 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
             tensors.append(t)
             continue
         if t.transform is not None and t.transform.origin(t.source) is not t.source:
-            raise PlanError(f"--quantize {scheme}: {t.name} is a saved copy from the adapter; quantize after merging")
+            raise PlanError(f"{{quantize}} {scheme}: {t.name} is a saved copy from the adapter; quantize after merging")
         if len(t.shape) != 2 or t.dtype not in CASTABLE or t.source.dtype not in CASTABLE:
             bad.append(f"{t.name} ({t.dtype}{list(t.shape)})")
             continue
@@ -118,8 +118,8 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
     if unfit:
         first = unfit[0].split(" ")[0].rpartition(".")[0]
         raise PlanError(
-            f"--quantize {scheme} takes {what}; these are not: {listing(unfit, 3)}; "
-            f"leave them out with --quantize-ignore {first!r} (or a 're:' pattern)"
+            f"{{quantize}} {scheme} takes {what}; these are not: {listing(unfit, 3)}; "
+            f"leave them out with {{quantize_ignore}} {first!r} (or a 're:' pattern)"
         )
     if strategy == "block":
         targets, ignore = _partial_tiles(plan, targets, tensors, ignore, pad_partial)
@@ -138,7 +138,7 @@ def quantize_plan(plan: Plan, scheme: str, ignore: list[str], lm_head: bool = Fa
             tensors.extend(_quantized(t, strategy))
     if count == 0:
         why = "every weight ignored or none found; FP8_BLOCK also leaves out sides no multiple of 128"
-        raise PlanError(f"--quantize {scheme}: no tensor to quantize ({why})")
+        raise PlanError(f"{{quantize}} {scheme}: no tensor to quantize ({why})")
     tensors.sort(key=lambda t: t.name)
     # A built-in plan (torchtitan, Megatron, …) writes the config it builds among its files.
     files, side = dict(plan.files), dict(plan.side_files)
@@ -216,9 +216,9 @@ def _refuse_quantized(plan: Plan) -> None:
     names += [t.name for t in plan.tensors if t.dtype.startswith("F8")]
     if names:
         raise PlanError(
-            f"--quantize: the source is already quantized ({listing(sorted(names), 3)}); "
-            "dequantize it first with --dtype bf16"
+            f"{{quantize}}: the source is already quantized ({listing(sorted(names), 3)}); "
+            "dequantize it first with {dtype} bf16"
         )
     config = output_config(plan)
     if config is not None and "quantization_config" in config:
-        raise PlanError("--quantize: the source's config.json has a quantization_config already; dequantize it first")
+        raise PlanError("{quantize}: the source's config.json has a quantization_config already; dequantize it first")

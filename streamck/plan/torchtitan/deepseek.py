@@ -10,11 +10,12 @@ its grouped tensor (one expert in memory), and MTP layers as decoder layers afte
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from streamck.errors import PlanError
 from streamck.plan import hf_export
-from streamck.plan.contract import check_shape, compare_keys
+from streamck.plan.contract import Row, check_shape, compare_keys
 from streamck.plan.rules import Rules
 from streamck.plan.torchtitan.deepseek_layout import (
     ATTENTION,
@@ -88,13 +89,13 @@ def _mtp_count(model: set[str], config: dict, config_path: Path) -> int:
     return found
 
 
-def _layer_rows(sizes: dict[str, int], i: int, src: str, dst: int) -> list[tuple[str, str, tuple]]:
-    """(HF name, torchtitan name, shape) of every non-expert tensor of torchtitan layer ``src``
+def _layer_rows(sizes: dict[str, int], i: int, src: str, dst: int) -> list[Row]:
+    """The rows, full names filled in, of every non-expert tensor of torchtitan layer ``src``
     (``layers.3`` / ``mtp_layers.0``) written as Hugging Face layer ``dst``; ``i`` its depth."""
     rows = [*ATTENTION, *(QUERY_LORA if sizes["qa"] else QUERY_FULL)]
     rows += DENSE if i < sizes["K"] else MOE
     rows += MTP if src.startswith(MTP_PREFIX) else ()
-    return [(f"model.layers.{dst}.{hf}", f"{src}.{tt}", shape) for hf, tt, shape in rows]
+    return [replace(r, out=f"model.layers.{dst}.{r.out}", src=f"{src}.{r.src}") for r in rows]
 
 
 def dsv3_plan(ckpt: Checkpoint, step: Path, config: dict, config_path: Path, rules: Rules):
@@ -106,20 +107,20 @@ def dsv3_plan(ckpt: Checkpoint, step: Path, config: dict, config_path: Path, rul
     layers += [(sizes["L"] - 1, f"{MTP_PREFIX}{k}", sizes["L"] + k) for k in range(mtp)]  # the last layer's kind
     rows = [*TOP] + [r for i, src, dst in layers for r in _layer_rows(sizes, i, src, dst)]
     moe = [(src, dst) for i, src, dst in layers if i >= sizes["K"]]
-    experts = [f"{src}.{key.split('.', 2)[2]}" for src, _ in moe for _, key, _ in MOE_EXPERTS]
+    experts = [_expert_key(src, row) for src, _ in moe for row in MOE_EXPERTS]
     tied = config.get("tie_word_embeddings") is True
-    biases = {f"{src}.{BIAS[1]}": f"model.layers.{dst}.{BIAS[0]}" for src, dst in moe}
-    optional = set(biases) | ({HEAD[1]} if tied else set())
-    expected = [r[1] for r in rows] + experts + ([] if tied else [HEAD[1]])
+    biases = {f"{src}.{BIAS.src}": f"model.layers.{dst}.{BIAS.out}" for src, dst in moe}
+    optional = set(biases) | ({HEAD.src} if tied else set())
+    expected = [r.src for r in rows] + experts + ([] if tied else [HEAD.src])
     what = f"model tensors do not match a {sizes['L']}-layer torchtitan deepseek_v3 (from {config_path.name})"
     compare_keys(expected, set(model) - optional, what, step)
     if not tied:
         rows.append(HEAD)
-    elif HEAD[1] in model:
-        _same_head(model[HEAD[1]], model[TOP[0][1]], config_path)
-    outputs = [_output(model[tt], hf, shape, sizes, step) for hf, tt, shape in rows]
+    elif HEAD.src in model:
+        _same_head(model[HEAD.src], model[TOP[0].src], config_path)
+    outputs = [_output(model[r.src], r.out, r.shape, sizes, step) for r in rows]
     written = [(tt, hf) for tt, hf in biases.items() if tt in model]
-    outputs += [_output(model[tt], hf, BIAS[2], sizes, step) for tt, hf in written]
+    outputs += [_output(model[tt], hf, BIAS.shape, sizes, step) for tt, hf in written]
     for src, dst in moe:
         outputs += _experts(model, src, dst, sizes, step)
     summary = [
@@ -130,7 +131,7 @@ def dsv3_plan(ckpt: Checkpoint, step: Path, config: dict, config_path: Path, rul
         f"expert_bias_E of {len(written)} of {len(moe)} MoE layers written as mlp.gate.e_score_correction_bias",
     ]
     summary += [f"{mtp} MTP layer(s) written as model.layers.{sizes['L']}…"] if mtp else []
-    left = _left_out(ckpt, model, len(outputs), tied and HEAD[1] in model)
+    left = _left_out(ckpt, model, len(outputs), tied and HEAD.src in model)
     return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
 
 
@@ -146,12 +147,16 @@ def _experts(model: dict[str, TensorRef], src: str, dst: int, sizes: dict[str, i
     """Every routed expert of torchtitan layer ``src`` as Hugging Face layer ``dst``'s: expert e
     is index e of each grouped tensor, read where it lies (never the [E, …] tensor)."""
     grouped = []
-    for hf_name, key, exprs in MOE_EXPERTS:
-        ref = model[f"{src}.{key.split('.', 2)[2]}"]
-        check_shape(ref.name, ref.shape, exprs, sizes, SYMBOLS, where)
+    for row in MOE_EXPERTS:
+        ref = model[_expert_key(src, row)]
+        check_shape(ref.name, ref.shape, row.shape, sizes, SYMBOLS, where)
         if ref.dtype not in hf_export.FLOATS:
             raise PlanError(f"{ref.name} is {ref.dtype}; model weights are F32, BF16 or F16", where)
-        grouped.append((hf_name, ref))
-    return [
-        select(ref, index=e, name=hf_name.format(i=dst, e=e)) for e in range(sizes["E"]) for hf_name, ref in grouped
-    ]
+        grouped.append((row, ref))
+    return [select(ref, index=e, name=row.at(i=dst, e=e).out) for e in range(sizes["E"]) for row, ref in grouped]
+
+
+def _expert_key(src: str, row: Row) -> str:
+    """The grouped experts' tensor of ``row`` in torchtitan layer ``src`` (``mtp_layers.0`` too):
+    its ``layers.{i}.`` prefix replaced by ``src``'s."""
+    return f"{src}.{row.src.split('.', 2)[2]}"

@@ -44,7 +44,7 @@ def moe_sizes(config: dict, kind: str, config_path: Path) -> dict[str, int]:
 
 def moe_keys(i: int) -> list[str]:
     """The torchtitan keys an MoE layer must have."""
-    return [MOE_ROUTER[1].format(i=i), *(row[1].format(i=i) for row in MOE_EXPERTS)]
+    return [row.src.format(i=i) for row in (MOE_ROUTER, *MOE_EXPERTS)]
 
 
 def moe_outputs(model: dict[str, TensorRef], i: int, sizes: dict[str, int], where: Path) -> list[TensorRef]:
@@ -54,16 +54,16 @@ def moe_outputs(model: dict[str, TensorRef], i: int, sizes: dict[str, int], wher
     if shared:
         raise PlanError(f"{shared[0]}: a shared expert, which Hugging Face's Qwen3-MoE does not have", where)
     _check_bias(model.get(MOE_BIAS.format(i=i)), where)
-    router = model[MOE_ROUTER[1].format(i=i)]
-    _check(router, MOE_ROUTER[2], sizes, where)
-    out = [select(router, name=MOE_ROUTER[0].format(i=i))]
+    router = MOE_ROUTER.at(i=i)
+    _check(model[router.src], router.shape, sizes, where)
+    out = [select(model[router.src], name=router.out)]
     grouped = []
-    for hf_name, key, exprs in MOE_EXPERTS:
-        ref = model[key.format(i=i)]
-        _check(ref, exprs, sizes, where)
-        grouped.append((hf_name, ref))
+    for row in MOE_EXPERTS:
+        ref = model[row.src.format(i=i)]
+        _check(ref, row.shape, sizes, where)
+        grouped.append((row, ref))
     for e in range(sizes["E"]):
-        out += [select(ref, index=e, name=hf_name.format(i=i, e=e)) for hf_name, ref in grouped]
+        out += [select(ref, index=e, name=row.at(i=i, e=e).out) for row, ref in grouped]
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from streamck.errors import PlanError
 from streamck.plan import hf_export
 from streamck.plan.compile import Plan
-from streamck.plan.contract import compare_keys, load_config, only_casts
+from streamck.plan.contract import Row, compare_keys, load_config, only_casts
 from streamck.plan.rules import Rules
 from streamck.plan.torchtitan.heads import _left_out, _same_head
 from streamck.plan.torchtitan.layout import (
@@ -61,26 +61,26 @@ def _step_number(step: Path) -> tuple[int, str]:
     return (int(tail), "") if tail.isdigit() else (-1, step.name)
 
 
-def _version(names: set[str], where: Path) -> int:
-    """Which column of the layout names this checkpoint's keys (1: torchtitan 0.3, 2: 0.2)."""
-    for column, (_, key) in enumerate(VERSIONS.items(), start=1):
+def _version(names: set[str], where: Path) -> str:
+    """Which torchtitan version's names this checkpoint's keys are (VERSIONS: ``"0.3"``, ``"0.2"``)."""
+    for version, key in VERSIONS.items():
         if key in names:
-            return column
+            return version
     keys = " or ".join(VERSIONS.values())
     raise PlanError(f"has no {keys}: not a torchtitan Llama 3 / Qwen3 checkpoint", where)
 
 
-def _family(config: dict, names: set[str], column: int, where: Path, config_path: Path) -> tuple[bool, bool]:
+def _family(config: dict, names: set[str], legacy: bool, where: Path, config_path: Path) -> tuple[bool, bool]:
     """(permute q/k, has q/k norms) for the config's model_type, checked against the keys."""
     kind = config.get("model_type")
     if kind not in FAMILIES:
         known = ", ".join([*FAMILIES, "deepseek_v3"])
-        raise PlanError(f"model_type {kind!r}: --plan {PLAN} converts {known} models", config_path)
+        raise PlanError(f"model_type {kind!r}: {{plan}} {PLAN} converts {known} models", config_path)
     permute, norms = FAMILIES[kind]
     biased = [k for k in BIAS_FLAGS if config.get(k) is True]
     if biased:  # transformers would build biases the weights lack and keep them at zero, without a word
         raise PlanError(f"{', '.join(biased)}: true, but torchtitan's {kind} has no biases", config_path)
-    has_norms = QK_NORM[0][column].format(i=0) in names
+    has_norms = QK_NORM[0].at(i=0).source(legacy) in names
     if has_norms != norms:
         says = "has" if has_norms else "has no"
         raise PlanError(f"{says} q_norm/k_norm weights, but the config's model_type is {kind!r}", where)
@@ -110,35 +110,35 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
 
         return dsv3_plan(ckpt, step, config, config_path, rules)
     model = {n: r for n, r in ckpt.tensors.items() if not n.startswith(TRAINING_STATE)}
-    column = _version(set(model), step)
-    permute, norms = _family(config, set(model), column, step, config_path)
+    version = _version(set(model), step)
+    legacy = version != "0.3"  # 0.2: the rows' legacy names
+    permute, norms = _family(config, set(model), legacy, step, config_path)
     tied = config.get("tie_word_embeddings") is True
     moe = config["model_type"] in MOE_FAMILIES
     if moe:
-        if column != 1:
-            raise PlanError(f"--plan {PLAN} reads MoE models under torchtitan 0.3's names only", step)
+        if legacy:
+            raise PlanError(f"{{plan}} {PLAN} reads MoE models under torchtitan 0.3's names only", step)
         sizes |= moe_sizes(config, config["model_type"], config_path)
     rows = [*TOP]
     for i in range(sizes["L"]):
         layer = [*LAYER, *(QK_NORM if norms else ())]
-        layer = [r for r in layer if not (moe and ".mlp." in r[0])]  # MoE layers: experts instead
-        rows += [(r[0].format(i=i), r[1].format(i=i), r[2].format(i=i), *r[3:]) for r in layer]
-    head_key = HEAD[column]
+        rows += [r.at(i=i) for r in layer if not (moe and ".mlp." in r.out)]  # MoE layers: experts instead
+    head_key = HEAD.source(legacy)
     optional = {head_key} if tied else set()  # torchtitan saves the tied head under both names
     experts = [k for i in range(sizes["L"]) for k in moe_keys(i)] if moe else []
     optional |= {MOE_BIAS.format(i=i) for i in range(sizes["L"])} if moe else set()  # load balancing's
     model_name = f"a {sizes['L']}-layer torchtitan {config['model_type']} (from {config_path.name})"
     what = f"model tensors do not match {model_name}"
-    expected = [r[column] for r in rows] + experts + ([] if tied else [head_key])
+    expected = [r.source(legacy) for r in rows] + experts + ([] if tied else [head_key])
     compare_keys(expected, set(model) - optional, what, step)
     if not tied:
         rows.append(HEAD)
     elif head_key in model:
-        _same_head(model[head_key], model[TOP[0][column]], config_path)
-    outputs = [_output(model[r[column]], r, sizes, permute, step) for r in rows]
+        _same_head(model[head_key], model[TOP[0].source(legacy)], config_path)
+    outputs = [_output(model[r.source(legacy)], r, sizes, permute, step) for r in rows]
     outputs += [ref for i in range(sizes["L"] if moe else 0) for ref in moe_outputs(model, i, sizes, step)]
     summary = [
-        f"torchtitan {list(VERSIONS)[column - 1]} {config['model_type']}: "
+        f"torchtitan {version} {config['model_type']}: "
         + ", ".join(f"{s}={sizes[s]}" for s in ("L", "H", "nh", "nkv", "d", "I", "V", "E", "Im") if s in sizes)
         + (", tied head left out" if tied else ""),
         f"step: {step}; sizes from {config_path}",
@@ -152,9 +152,8 @@ def torchtitan_plan(path: str | os.PathLike, rules: Rules | None = None, hf_conf
     return hf_export.assemble(ckpt, outputs, rules, config, summary, left)
 
 
-def _output(ref: TensorRef, row: tuple, sizes: dict[str, int], permute: bool, where: Path) -> TensorRef:
+def _output(ref: TensorRef, row: Row, sizes: dict[str, int], permute: bool, where: Path) -> TensorRef:
     """The Hugging Face tensor of one layout row from ``ref``, its shape checked first."""
-    hf_name, *_, kind, exprs = row
-    hf_export.check(ref.name, ref, exprs, sizes, where)
-    order = _rows(kind, sizes, ref.name, where) if permute else None
-    return select(ref, order, name=hf_name)
+    hf_export.check(ref.name, ref, row.shape, sizes, where)
+    order = _rows(row.permute, sizes, ref.name, where) if permute else None
+    return select(ref, order, name=row.out)

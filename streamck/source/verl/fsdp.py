@@ -217,7 +217,7 @@ def read_verl(actor: Path) -> tuple[dict[str, Entry], list[Path], list[str]]:
     if lora:
         raise CheckpointError(
             f"a verl LoRA actor ({len(lora)} lora_ tensors, e.g. {lora[0]!r}): not merged here; verl's merger "
-            "writes the base weights and a lora_adapter/ beside them, which --merge-lora takes",
+            "writes the base weights and a lora_adapter/ beside them, which {merge_lora} takes",
             paths[0],
         )
     entries, skipped = consolidate(ranks, world)
@@ -247,7 +247,7 @@ def index_verl(path: Path, actor: Path, key: str | None, keep_tied: bool):
     from streamck.source.tied import untie_fsdp
 
     if key is not None:
-        raise CheckpointError(f"--key {key}: a verl actor is read as its model state dict", path)
+        raise CheckpointError(f"{{key}} {key}: a verl actor is read as its model state dict", path)
     files = {p: FileStamp.of(p) for p in actor.glob("model_world_size_*_rank_*.pt")}  # before reading
     entries, paths, notices = read_verl(actor)
     tensors, _ = tiled(entries, actor)

@@ -55,7 +55,7 @@ def hf_weights(path: Path) -> tuple[Path, Path] | None:
         return None
     if (actor / DIST / "metadata.json").is_file():
         raise CheckpointError(f"a verl Megatron actor: its model is megatron-core's torch_dist checkpoint in "
-                              f"{DIST}/: give --plan megatron-gpt", actor)  # fmt: skip
+                              f"{DIST}/: give {{plan}} megatron-gpt", actor)  # fmt: skip
     return (actor, actor / HF) if any((actor / HF).glob("*.safetensors")) else None
 
 
