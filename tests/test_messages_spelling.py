@@ -45,7 +45,6 @@ EXCEPTIONS: dict[str, set[str]] = {}
 PENDING = {
     "plan/megatron/": {"--hf-config", "--plan"},
     "writer/formats/__init__.py": {"--format", "--quantize"},
-    "writer/formats/megatron/": {"--format"},
     "writer/formats/mlx/": {"--quantize", "--dtype"},
 }
 

@@ -116,6 +116,8 @@ class LocalTarget(Destination):
         return self.tmp if self.single else self.tmp / shard.filename
 
     def write(self, writer: ShardWriter, shard: Shard) -> None:
+        if "/" in shard.filename:  # a file in a folder of the output (a Megatron run's iter_0000000/)
+            self._path(shard).parent.mkdir(parents=True, exist_ok=True)
         writer.write_file(shard, self._path(shard))
         self.syncer.submit(self._path(shard))
 
@@ -129,6 +131,7 @@ class LocalTarget(Destination):
     def put(self, extras: dict[str, Path | bytes]) -> None:
         if not self.single:
             for name, data in extras.items():
+                (self.tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 put_file(data, self.tmp / name)
             self.extras = sorted(extras)
 

@@ -246,6 +246,7 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
         sizes |= moe_sizes(args, config, config_path, found, step)
     expected = {*(r[1] for r in (*TOP, *table)), *(() if tied else (HEAD[1],))}
     expected |= {MOE_ROUTER[0], MOE_FC1[0], MOE_FC2[0], *(r[1] for r in MOE_SHARED if r[1] in keys)} if moe else set()
+    expected |= {POST_ATTN_NORM} if moe and {MOE_PRE_MLP_NORM, POST_ATTN_NORM} <= keys.keys() else set()  # both names
     compare_keys(expected, keys, f"model tensors do not match a GPTModel ({sizes['L']} layers)", step)
     if config is None:
         config = args_config(args, sizes, bias, norms, tied)

@@ -1,0 +1,1 @@
+"""Megatron-LM ``torch_dist`` output (streamck.writer.formats.megatron.format)."""
