@@ -43,7 +43,6 @@ EXCEPTIONS: dict[str, set[str]] = {}
 # conversion ({hf_config}, {plan}, {format}, {quantize}, {dtype} are marks already);
 # test_pending_list_is_not_stale fails on one left behind.
 PENDING = {
-    "plan/megatron/": {"--hf-config", "--plan"},
     "writer/formats/__init__.py": {"--format", "--quantize"},
     "writer/formats/mlx/": {"--quantize", "--dtype"},
 }

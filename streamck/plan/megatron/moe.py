@@ -37,7 +37,7 @@ def moe_sizes(args: dict, config: dict | None, config_path: Path | None, found: 
     against them and against the checkpoint's features (``found``: q/k norms, qkv bias, a
     shared expert and its gate): an MoE checkpoint needs ``--hf-config`` naming the family."""
     if config is None:
-        raise PlanError(f"an MoE model: give --hf-config with its model_type ({', '.join(MOE_FAMILIES)})", where)
+        raise PlanError(f"an MoE model: give {{hf_config}} with its model_type ({', '.join(MOE_FAMILIES)})", where)
     config_path = config_path or where
     kind = config.get("model_type")
     if kind not in MOE_FAMILIES:
@@ -72,7 +72,7 @@ def moe_config(args: dict, dense: dict, found: dict, where: Path) -> dict:
                  and fam["renormalise"] in (renorm, "norm_topk_prob")), None)  # fmt: skip
     if kind is None:
         have = ", ".join(f for f, has in found.items() if has) or "no q/k norms, qkv bias or shared expert"
-        raise PlanError(f"no Hugging Face MoE family has this model's features ({have}): give --hf-config", where)
+        raise PlanError(f"no Hugging Face MoE family has this model's features ({have}): give {{hf_config}}", where)
     fam = MOE_FAMILIES[kind]
     config = {k: v for k, v in dense.items() if k != "attention_bias"}
     config |= {"architectures": [fam["architecture"]], "model_type": kind}

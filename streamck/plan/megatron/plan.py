@@ -95,7 +95,7 @@ def step_dir(path: Path) -> Path:
     except (orjson.JSONDecodeError, AttributeError):
         raise PlanError("is not a JSON object", meta) from None
     if backend != "torch_dist":
-        raise PlanError(f"sharded_backend {backend!r}: --plan {PLAN} reads torch_dist checkpoints", meta)
+        raise PlanError(f"sharded_backend {backend!r}: {{plan}} {PLAN} reads torch_dist checkpoints", meta)
     return path
 
 
@@ -114,7 +114,7 @@ def _sizes(args: dict, keys: dict[str, TensorRef], where: Path) -> dict[str, int
             "Vp": args.get("padded_vocab_size") or keys[TOP[0][1]].shape[0],
         }
     except KeyError as e:
-        raise PlanError(f"the checkpoint's args lack {e.args[0]}: give --hf-config", where) from None
+        raise PlanError(f"the checkpoint's args lack {e.args[0]}: give {{hf_config}}", where) from None
     for s in ("L", "H", "nh", "nkv", "Vp"):
         _positive(s, out[s], where)
     if out["d"] is None and H % nh:
@@ -175,16 +175,16 @@ def _same_tying(args: dict, tied: bool, where: Path) -> None:
 def _refuse_features(args: dict, keys: dict, where: Path) -> None:
     for flag, what in REFUSED_ARGS.items():
         if args.get(flag):
-            raise PlanError(f"args.{flag} is set: {what}, which --plan {PLAN} does not convert", where)
+            raise PlanError(f"args.{flag} is set: {what}, which {{plan}} {PLAN} does not convert", where)
     for flag, want in FIXED_ARGS.items():
         if args.get(flag, want) != want:
-            raise PlanError(f"args.{flag} is {args[flag]!r}: --plan {PLAN} converts models with {want!r}", where)
+            raise PlanError(f"args.{flag} is {args[flag]!r}: {{plan}} {PLAN} converts models with {want!r}", where)
     if any(".mixer." in k or k.startswith("decoder.layers.mamba") for k in keys):
-        raise PlanError(f"a HybridModel (mixer blocks): --plan {PLAN} converts GPTModel checkpoints", where)
+        raise PlanError(f"a HybridModel (mixer blocks): {{plan}} {PLAN} converts GPTModel checkpoints", where)
     checks = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope"}
     for flag, want in checks.items():
         if flag in args and args[flag] != want:
-            raise PlanError(f"args.{flag} is {args[flag]!r}: --plan {PLAN} converts {flag} {want!r} models", where)
+            raise PlanError(f"args.{flag} is {args[flag]!r}: {{plan}} {PLAN} converts {flag} {want!r} models", where)
 
 
 def rows(kind: str | None, s: dict[str, int], interleaved: bool) -> Rows | None:
@@ -218,7 +218,7 @@ def megatron_plan(path: str | os.PathLike, rules: Rules | None = None, hf_config
         hf_config = verl_config(verl, hf_config)
         if hf_config is None:
             raise PlanError(f"a verl Megatron actor saved without 'hf_model' in save_contents has no {verl.hf.name}/"
-                            "config.json: give --hf-config (the base model's config.json)", verl.actor)  # fmt: skip
+                            "config.json: give {hf_config} (the base model's config.json)", verl.actor)  # fmt: skip
     step = step_dir(verl.dist if verl else location(path))
     common = read_common(step)
     args, iteration = common.args, common.iteration

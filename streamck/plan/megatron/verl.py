@@ -44,7 +44,7 @@ def find_actor(path: Path) -> VerlActor | None:
     found = VerlActor(actor, actor / DIST, actor / HF) if actor and (actor / DIST / "metadata.json").is_file() else None
     if found is None and actor is not None:
         raise PlanError("a verl Megatron actor saved without use_dist_checkpointing: its model is the bridge's "
-                        "Hugging Face weights in huggingface/, which streamck reads without --plan", actor)  # fmt: skip
+                        "Hugging Face weights in huggingface/, which streamck reads without {plan}", actor)  # fmt: skip
     if found is not None and _peft(found.actor / MANIFEST):
         raise PlanError(f"a verl Megatron LoRA actor ({MANIFEST}: peft): its dist checkpoint holds the adapter "
                         "alone, not the model; the base is the bridge's huggingface/ folder", found.actor)  # fmt: skip
