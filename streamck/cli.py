@@ -121,6 +121,8 @@ def _write_options(args: argparse.Namespace):
         jobs=args.jobs,
         part=args.part,
         drop_cache=args.drop_cache,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        group_size=args.group_size,
         progress=args.progress or ("none" if args.quiet else "auto"),
     )
 

@@ -267,6 +267,13 @@ def _plan_options(rw: argparse.ArgumentParser) -> None:
         "vLLM reads it. --dtype bf16 on a quantized source dequantizes instead",
     )
     quant.add_argument(
+        "--group-size",
+        type=int,
+        metavar="N",
+        help="--format mlx with MLX_Q4 or MLX_Q8: values per scale (32, 64 or 128; default 64), as mlx_lm's "
+        "--q-group-size",
+    )
+    quant.add_argument(
         "--quantize-ignore",
         metavar="PATTERN",
         action="append",
@@ -303,9 +310,16 @@ def _output_options(rw: argparse.ArgumentParser) -> None:
         "--format",
         choices=[f.name for f in FORMATS],
         help="a directory output's files: model*.safetensors (default) or torch.save pytorch_model*.bin; "
-        "a file output's name decides (.safetensors, or .bin/.pt/.pth)",
+        "a file output's name decides (.safetensors, or .bin/.pt/.pth); megatron: a Megatron-LM torch_dist run "
+        "root for --load RUN --finetune",
     )
     rw.add_argument("--header-align", type=int, default=8, metavar="N", help="start the data area at a multiple of N")
+    rw.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        metavar="N",
+        help="--format megatron: pad the vocabulary with zero rows to a multiple of N, as Megatron-LM's flag (128)",
+    )
     rw.add_argument(
         "--keep-shards",
         action="store_true",

@@ -78,6 +78,11 @@ class OutputFormat:
     suffixes: tuple[str, ...]
     needs: tuple[str, ...] = ()  # the packages it imports beyond streamck's own (an extra)
     install: str = ""  # what to run where they are missing
+    takes: tuple[str, ...] = ()  # the WriteOptions of its own (OWN_OPTIONS) that it reads
+
+
+# WriteOptions that only some formats read: one set for another format is refused, not ignored.
+OWN_OPTIONS = ("group_size", "make_vocab_size_divisible_by")
 
 
 FORMATS = (
@@ -90,5 +95,9 @@ FORMATS = (
         (".gguf",),
         needs=("gguf", "tokenizers"),
         install="pip install gguf==0.19.0 tokenizers (or pip install '.[gguf]' in a streamck checkout)",
+    ),
+    OutputFormat("mlx", "streamck.writer.formats.mlx.format", "MLX", (), takes=("group_size",)),
+    OutputFormat(
+        "megatron", "streamck.writer.formats.megatron.format", "Megatron", (), takes=("make_vocab_size_divisible_by",)
     ),
 )

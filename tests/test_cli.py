@@ -176,6 +176,8 @@ def test_every_writer_flag_reaches_the_writer(ckpt, tmp_path, monkeypatch):
         "jobs": 3,
         "part": (2, 5),
         "keep_shards": True,
+        "group_size": None,  # --format mlx's and megatron's own (refused with torch): tests/test_mlx.py
+        "make_vocab_size_divisible_by": None,
     }
 
 

@@ -38,14 +38,6 @@ MESSAGE_HELPERS = {"refuse", "refuse_other", "require_torch"}
 # Raw flags allowed in an error message, by file or folder under streamck/ (a prefix of the
 # path): each is about the command line itself. None so far.
 EXCEPTIONS: dict[str, set[str]] = {}
-# Messages not yet turned into marks, in code whose owners were mid-change when the rest took
-# them: streamck/plan/megatron's, and the new output formats'. Each entry goes with its
-# conversion ({hf_config}, {plan}, {format}, {quantize}, {dtype} are marks already);
-# test_pending_list_is_not_stale fails on one left behind.
-PENDING = {
-    "writer/formats/__init__.py": {"--format", "--quantize"},
-    "writer/formats/mlx/": {"--quantize", "--dtype"},
-}
 
 
 @functools.cache
@@ -197,11 +189,11 @@ def _package_raw_flags() -> dict[str, set[tuple[int, str]]]:
 
 
 def _allowed(rel: str, flag: str) -> bool:
-    return any(rel.startswith(where) and flag in flags for where, flags in [*EXCEPTIONS.items(), *PENDING.items()])
+    return any(rel.startswith(where) and flag in flags for where, flags in EXCEPTIONS.items())
 
 
 def test_no_error_message_in_the_package_writes_a_raw_flag():
-    """Error text in streamck says options through marks (EXCEPTIONS and PENDING aside)."""
+    """Error text in streamck says options through marks (EXCEPTIONS aside)."""
     offenders = [
         f"{rel}:{line}: {flag}"
         for rel, found in _package_raw_flags().items()
@@ -209,18 +201,6 @@ def test_no_error_message_in_the_package_writes_a_raw_flag():
         if not _allowed(rel, flag)
     ]
     assert offenders == []
-
-
-def test_pending_list_is_not_stale():
-    """Every PENDING flag is still raw under its path: an entry whose messages took their marks goes."""
-    found = [(rel, flag) for rel, raw in _package_raw_flags().items() for _, flag in raw]
-    stale = {
-        (where, flag)
-        for where, flags in PENDING.items()
-        for flag in flags
-        if not any(rel.startswith(where) and f == flag for rel, f in found)
-    }
-    assert stale == set()
 
 
 def _library_names() -> set[str]:

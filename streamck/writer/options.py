@@ -33,9 +33,12 @@ class WriteOptions:
     (finite values become infinity) an error. ``device`` casts and computes on ``"cuda"`` (or
     ``"cuda:N"``). ``jobs`` writes that many files at once. ``part`` (``(K, N)`` or ``"K/N"``)
     writes only part K of N of a directory output's files (streamck.writer.parts).
-    ``drop_cache`` keeps the page cache from filling. ``progress`` is ``"auto"``, ``"bar"``,
-    ``"log"`` or ``"none"`` (True and False: bar and none), or a streamck.writer.progress
-    reporter. ``chunk`` bounds the bytes held per job.
+    ``drop_cache`` keeps the page cache from filling. Two are one format's own (None: its
+    default; set for another format: refused): ``make_vocab_size_divisible_by`` pads a megatron
+    vocabulary to a multiple of it (Megatron-LM's flag, 128), ``group_size`` is the values per
+    scale of an MLX ``quantize`` scheme (mlx_lm.convert's ``--q-group-size``, 64). ``progress``
+    is ``"auto"``, ``"bar"``, ``"log"`` or ``"none"`` (True and False: bar and none), or a
+    streamck.writer.progress reporter. ``chunk`` bounds the bytes held per job.
     """
 
     format: str | None = None
@@ -50,6 +53,8 @@ class WriteOptions:
     jobs: int = 1
     part: tuple[int, int] | None = None
     drop_cache: bool = False
+    make_vocab_size_divisible_by: int | None = None
+    group_size: int | None = None
     progress: Any = False
     chunk: int = CHUNK
 
@@ -82,6 +87,11 @@ def _check(o: WriteOptions) -> None:
         raise UsageError(f"{{header_align}} {o.header_align}: must be a positive multiple of 8")
     if o.jobs < 1:
         raise UsageError(f"{{jobs}} {o.jobs}: must be at least 1")
+    if o.make_vocab_size_divisible_by is not None and o.make_vocab_size_divisible_by < 1:
+        what = "must be at least 1 (Megatron pads the vocabulary to a multiple of it)"
+        raise UsageError(f"{{make_vocab_size_divisible_by}} {o.make_vocab_size_divisible_by}: {what}")
+    if o.group_size is not None and o.group_size < 1:
+        raise UsageError(f"{{group_size}} {o.group_size}: must be at least 1")
     if o.chunk < 1:
         raise UsageError(f"chunk {o.chunk}: must be at least one byte")
     if o.jobs > 1 and o.device not in (None, "cpu"):

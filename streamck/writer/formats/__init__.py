@@ -64,6 +64,14 @@ def route_types(fmt: Format, plan: PlanOptions, write: WriteOptions) -> tuple[Pl
     as ``convert_hf_to_gguf.py --outtype``) takes ``dtype`` and its own ``quantize`` schemes from
     the plan's options as its ``outtype``, so that the plan casts nothing it would cast again."""
     scheme = (plan.quantize or "").upper()
+    for name in registry.OWN_OPTIONS:
+        if getattr(write, name) is not None and name not in FORMATS[fmt.name].takes:
+            owners = " and ".join(f"{{format}} {f.name}" for f in FORMATS.values() if name in f.takes)
+            raise UsageError(f"{{{name}}} applies to {owners} output, not to {fmt.name}")
+    if scheme and scheme not in fmt.quantizes and fmt.own_schemes_only:
+        raise UsageError(f"{{quantize}} {plan.quantize}: {fmt.name} output writes {', '.join(fmt.quantizes)}")
+    if scheme.startswith("MLX_") and scheme not in fmt.quantizes:
+        raise UsageError(f"{{quantize}} {plan.quantize} is an MLX scheme: add {{format}} mlx")
     if scheme in fmt.quantizes:
         return replace(plan, quantize=None), replace(write, outtype=scheme.lower())
     if fmt.owns_types and plan.dtype is not None and plan.quantize is None:

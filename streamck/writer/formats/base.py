@@ -67,6 +67,7 @@ class Format:
     splits: ClassVar[bool] = False  # a file output may be split into numbered files beside it
     quantizes: ClassVar[tuple[str, ...]] = ()  # the --quantize schemes it writes itself (GGUF's Q8_0)
     owns_types: ClassVar[bool] = False  # it takes --dtype as its own outtype: the plan casts nothing
+    own_schemes_only: ClassVar[bool] = False  # --quantize is one of ``quantizes``, never the plan's
 
     def prepare(self, plan: Plan, options: WriteOptions) -> Plan:
         """The plan as this format writes it (its own names, dtypes, stacks)."""

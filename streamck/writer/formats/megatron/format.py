@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from streamck.writer.options import WriteOptions
 
 ITERATION = 0
+DIVISIBLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 STEP = f"iter_{ITERATION:07d}"
 TRACKER = "latest_checkpointed_iteration.txt"
 BACKEND = b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
@@ -59,7 +60,7 @@ class Megatron(Format):
             raise PlanError(
                 f"{{format}} megatron writes stored or cast tensors, not computed ones ({computed[0]})", where
             )
-        divisible = options.make_vocab_size_divisible_by
+        divisible = options.make_vocab_size_divisible_by or DIVISIBLE
         m = model(config, where)
         padded = padded_vocab(m.sizes["V"], divisible)
         named = {t.name: t for t in plan.tensors}
