@@ -78,6 +78,22 @@ def test_force_replaces_an_earlier_export_in_its_directory(tmp_path, source):
     assert leftovers(tmp_path) == []
 
 
+def test_force_replaces_a_folder_the_output_writes_whole(tmp_path, source):
+    """A folder of the output (a sentence-transformers module; a Megatron run's iter_0000000/)
+    is the new one after --force, not the old one with the new files moved in (#52's review:
+    stale .distcp files were left beside the new ones)."""
+    (source / "modules.json").write_text(json.dumps([{"path": ""}, {"path": "1_Pooling"}]))
+    (source / "1_Pooling").mkdir()
+    (source / "1_Pooling" / "old.json").write_text("{}")
+    out = tmp_path / "out"
+    cli("rewrite", source, "-o", out, "-q", check=0)
+    (source / "1_Pooling" / "old.json").unlink()
+    (source / "1_Pooling" / "config.json").write_text('{"new": 1}')
+    cli("rewrite", source, "-o", out, "--force", "-q", check=0)
+    assert sorted(p.name for p in (out / "1_Pooling").iterdir()) == ["config.json"]
+    assert leftovers(tmp_path) == [] and leftovers(out) == []
+
+
 def test_force_replaces_only_the_kind_of_thing_it_writes(tmp_path, source):
     plain = tmp_path / "models"
     plain.write_text("a file, not an export")

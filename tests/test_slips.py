@@ -49,7 +49,8 @@ def test_existing_directory_spellings_are_directory_targets(tmp_path, src, spell
 def test_dot_dot_and_the_source_directory_are_one_line_refusals(tmp_path, src):
     (tmp_path / "work" / "sub").mkdir(parents=True)
     (tmp_path / "work" / "notes.md").write_text("mine")
-    one_line_error(cli("rewrite", src, "-o", "..", cwd=tmp_path / "work" / "sub"), "notes.md")
+    proc = cli("rewrite", src, "-o", "..", cwd=tmp_path / "work" / "sub")
+    one_line_error(proc, f"{tmp_path / 'work'}: already exists; pass --force to write into it")
     one_line_error(cli("rewrite", src, "-o", ".", cwd=src), "refusing to write over the source checkpoint")
 
 

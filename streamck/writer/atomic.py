@@ -257,12 +257,18 @@ def _merge(tmp: Path, final: Path) -> None:
 
 
 def _move_into(src: Path, dst: Path) -> None:
-    """Rename every entry of ``src`` over its namesake in ``dst``, folders merged file by file
-    (a folder the output writes, such as ``1_Pooling/``, may already be there); ``src`` goes."""
-    for entry in sorted(src.iterdir(), key=lambda e: e.name in INDEX_FILES):  # indexes last
+    """Rename every entry of ``src`` over its namesake in ``dst``, indexes last; ``src`` goes.
+
+    A folder the output writes (``1_Pooling/``, a Megatron run's ``iter_0000000/``) replaces its
+    namesake whole: the old one is renamed aside as a temporary, the new one renamed in, the old
+    removed, so that no file of an earlier export (a shard it no longer has) is left inside it."""
+    for entry in sorted(src.iterdir(), key=lambda e: e.name in INDEX_FILES):
         target = dst / entry.name
         if entry.is_dir() and target.is_dir() and not target.is_symlink():
-            _move_into(entry, target)
+            old = target.with_name(f".{target.name}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.rename(target, old)  # left by a crash, remove_stale takes it once it is STALE_AGE old
+            os.rename(entry, target)
+            _remove(old)
         else:
             os.replace(entry, target)
     fsync_dir(dst)
