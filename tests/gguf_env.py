@@ -69,13 +69,15 @@ class _Cursor:
         return self.scalar(_SCALARS[kind])
 
 
-def contents(path: Path) -> tuple[list, list, dict[str, bytes]]:
+def contents(path: Path, limit: int = -1) -> tuple[list, list, dict[str, bytes]]:
     """A GGUF file's key-value pairs (key, value type, value) in order, its tensor infos (name,
     shape, GGML type, offset) in order, and each tensor's bytes: parsed here by the format's
-    spec (gguf-py's GGUFReader takes ~10 s on a 128k-token vocabulary), sizes from gguf-py."""
+    spec (gguf-py's GGUFReader takes ~10 s on a 128k-token vocabulary), sizes from gguf-py.
+    With ``limit``, only the file's first ``limit`` bytes are read (the tensors' bytes cut short)."""
     import gguf
 
-    data = path.read_bytes()
+    with open(path, "rb") as f:
+        data = f.read(limit)
     cur = _Cursor(data)
     assert cur.data[:4] == b"GGUF" and struct.unpack_from("<I", data, 4)[0] == 3
     cur.pos = 8
@@ -99,10 +101,12 @@ def contents(path: Path) -> tuple[list, list, dict[str, bytes]]:
     return kvs, infos, tensors
 
 
-def run_llama_cpp(model: Path, prompt: list[int], n_predict: int = 8, n_probs: int = 5) -> dict:
+def run_llama_cpp(model: Path | list[Path], prompt: list[int], n_predict: int = 8, n_probs: int = 5) -> dict | list:
     """llama.cpp's greedy continuation of ``prompt`` with the top log-probabilities of each step
-    (tests/gguf_llama.py in the xllamacpp venv)."""
-    cmd = [str(xllamacpp_python()), str(REPO / "tests" / "gguf_llama.py"), str(model), json.dumps(prompt),
+    (tests/gguf_llama.py in the xllamacpp venv); for a list of models, a list of those, all run
+    in one child."""
+    arg = json.dumps([str(m) for m in model]) if isinstance(model, list) else str(model)
+    cmd = [str(xllamacpp_python()), str(REPO / "tests" / "gguf_llama.py"), arg, json.dumps(prompt),
            str(n_predict), str(n_probs)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,6 +4,8 @@ log-probabilities of each, for a prompt given as token ids. Runs inside the xlla
 
 usage: python gguf_llama.py MODEL.gguf '[1, 2, 3]' N_PREDICT N_PROBS  -> JSON on stdout:
 {"tokens": [...], "top": [[[id, logprob], ...], ...]}
+MODEL.gguf may be a JSON list of files, run one after another in this one process (llama.cpp's
+start-up paid once): then the JSON is a list of those objects, in the same order.
 """
 
 import json
@@ -14,6 +16,13 @@ import xllamacpp as xlc
 
 def main() -> None:
     model, prompt, n_predict, n_probs = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    if model.startswith("["):
+        print(json.dumps([run(m, prompt, n_predict, n_probs) for m in json.loads(model)]))
+    else:
+        print(json.dumps(run(model, prompt, n_predict, n_probs)))
+
+
+def run(model: str, prompt: list, n_predict: int, n_probs: int) -> dict:
     params = xlc.CommonParams()
     params.model.path = model
     params.n_ctx = 256
@@ -40,7 +49,7 @@ def main() -> None:
         raise SystemExit(json.dumps(result["error"]))
     steps = result["choices"][0]["logprobs"]["content"]
     top = [[[p["id"], p["logprob"]] for p in step["top_logprobs"]] for step in steps]
-    print(json.dumps({"tokens": [step["id"] for step in steps], "top": top}))
+    return {"tokens": [step["id"] for step in steps], "top": top}
 
 
 if __name__ == "__main__":

@@ -56,3 +56,35 @@ def reference(model: Path, out: Path, outtype: str, *extra: str, timeout: int = 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def fused_model(tmp_path_factory, kind: str) -> Path:
+    """``kind``'s tiny model as transformers 5 holds it in memory and a trainer saves it
+    (``model.state_dict()``: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]),
+    with its config and tokenizer, in a folder named ``model`` as tiny_model's is (the folder's
+    name is ``general.name``)."""
+    per_expert = tiny_model(tmp_path_factory, kind)
+
+    def build(tmp: Path) -> None:
+        import shutil
+
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        for f in per_expert.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, tmp / f.name)
+        model = AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.bfloat16)
+        state = {n: t.contiguous() for n, t in model.state_dict().items()}
+        assert any(n.endswith("mlp.experts.gate_up_proj") for n in state), "not the fused layout"
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return built_once(per_expert.parent / "fused" / "model", build)
+
+
+def big_moe(out: Path, tokenizer_from: Path, experts: int, inter: int) -> Path:
+    """bench/gguf_ckpt.py's one-layer Qwen3-MoE (``make_stacks``) in ``out``, its tokenizer copied
+    from ``tokenizer_from`` (a tiny_model folder of the qwen3moe kind)."""
+    gguf_ckpt.make_stacks(out, llama_cpp(), experts, inter, tokenizer_from)
+    return out

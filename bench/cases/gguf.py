@@ -64,3 +64,47 @@ def case_gguf(a: argparse.Namespace, tmp: Path) -> str:
         f"{a.reps} interleaved reps, {a.settle:.0f} s settle. Files: {'; '.join(verdicts)}.\n\n"
         + table(runs, "cp -r + sync (model)", dir_bytes(base))
     )
+
+
+@case(size="1GiB")
+def case_gguf_moe(a: argparse.Namespace, tmp: Path) -> str:
+    """A Qwen3-MoE layer of 16 experts of 16 MiB each (three stacked tensors of 256.06 MiB) to GGUF
+    bf16 and Q8_0: streamck (one expert slice at a time) vs the reference (each stack whole)."""
+    llama_cpp, base = _llama_cpp(), tmp / "qwen3moe"
+    inter = 16 * 2**20 // 128 + 32  # an expert slice: inter x 64 bf16 values, 16 MiB
+    subprocess.run([PY, str(HERE / "gguf_ckpt.py"), str(llama_cpp), "stacks", str(base), "16", str(inter)], check=True)
+    ref = str(llama_cpp / "convert_hf_to_gguf.py")
+
+    def ours(*flags: str):
+        return lambda o: ["sh", "-c", f'mkdir -p "{o}" && exec "$@"', "sh", *streamck("rewrite", str(base), "-o",
+                          f"{o}/model.gguf", "-q", *flags)]  # fmt: skip
+
+    def theirs(outtype: str):
+        return lambda o: ["sh", "-c", f'mkdir -p "{o}" && exec "$@"', "sh", PY, ref, str(base), "--outfile",
+                          f"{o}/model.gguf", "--outtype", outtype]  # fmt: skip
+
+    contenders = {
+        "cp -r + sync (model)": cp_fsync(base),
+        "streamck bf16": ours(),
+        "convert_hf_to_gguf bf16": theirs("bf16"),
+        "streamck Q8_0": ours("--quantize", "Q8_0"),
+        "convert_hf_to_gguf q8_0": theirs("q8_0"),
+    }
+    runs = contend(contenders, tmp / "out", a.reps, a.settle, (base,))
+    verdicts = []
+    for kind, *pair in (("bf16", "streamck bf16", "convert_hf_to_gguf bf16"),
+                        ("Q8_0", "streamck Q8_0", "convert_hf_to_gguf q8_0")):  # fmt: skip
+        files = []
+        for label in pair:
+            run_child(contenders[label](tmp / label.replace(" ", "-")), 0)
+            files.append(tmp / label.replace(" ", "-") / "model.gguf")
+        verdicts.append(f"{kind}: {'byte for byte equal' if filecmp.cmp(*files, shallow=False) else 'NOT equal'}")
+        for f in files:
+            f.unlink()
+    return (
+        f"Model: bench/gguf_ckpt.py's `stacks` Qwen3-MoE (one layer, hidden 64, 16 experts of {inter} rows: "
+        f"gate, up and down each a stacked tensor of {16 * inter * 128 / 2**20:.1f} MiB), "
+        f"{dir_bytes(base) / 2**30:.2f} GiB bf16; its tokenizer from llama.cpp's qwen2 test vocabulary. "
+        f"{a.reps} interleaved reps, {a.settle:.0f} s settle. Files: {'; '.join(verdicts)}.\n\n"
+        + table(runs, "cp -r + sync (model)", dir_bytes(base))
+    )

@@ -20,7 +20,7 @@ from typing import Any
 import gguf
 
 from streamck.errors import PlanError
-from streamck.writer.formats.gguf import table
+from streamck.writer.formats.gguf import spm, table
 from streamck.writer.formats.gguf.compat import SpecialVocab, load_metadata
 
 
@@ -63,10 +63,8 @@ def rope_parameters(hparams: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, Any], ftype: int) -> None:
-    """``TextModel.set_gguf_parameters`` for a dense model, then the family's own keys."""
-    refused = [k for k in table.UNSUPPORTED if k in hparams]
-    if refused:
-        raise PlanError(f"config.json has {', '.join(refused)}: GGUF output does not write that yet")
+    """``TextModel.set_gguf_parameters``, then the family's own keys (the config checked first
+    by ``check_parameters``)."""
     w.add_block_count(find(hparams, table.BLOCK_COUNT))
     for method, keys in table.PARAMS:
         if (value := find(hparams, keys)) is not None:
@@ -85,6 +83,9 @@ def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, 
         w.add_layer_norm_rms_eps(eps)
     if (eps := find(hparams, table.NORM_EPS)) is not None:
         w.add_layer_norm_eps(eps)
+    for method, keys in table.MOE_PARAMS:
+        if (value := find(hparams, keys)) is not None:
+            getattr(w, method)(value)
     if (head_dim := hparams.get("head_dim")) is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -93,13 +94,31 @@ def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, 
         w.add_vocab_size(hparams["vocab_size"])
     if family.rope_dims_key:
         w.add_rope_dimension_count(hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"])
+    for method, keys in family.params:
+        if (value := find(hparams, keys)) is not None:
+            getattr(w, method)(value)
 
 
-def check_tokenizer(model_dir: Path) -> dict[str, Any]:
-    """``tokenizer.json``, refused where the reference would read the vocabulary another way
-    (SentencePiece ``tokenizer.model``, a byte-fallback Llama 2 BPE): those are not written yet."""
+def check_parameters(family: table.Family, hparams: dict[str, Any]) -> None:
+    """Refuse a config this slice would convert otherwise than the reference: one with keys it
+    does not write (table.UNSUPPORTED), or experts in a family converted as a dense model."""
+    refused = [k for k in table.UNSUPPORTED if k in hparams]
+    if family.experts is None and find(hparams, table.EXPERT_COUNT) is not None:
+        refused.append(next(k for k in table.EXPERT_COUNT if k in hparams))
+    if family.arch == "LLAMA" and hparams.get("vocab_size") == table.CODELLAMA_VOCAB:
+        refused.append(f"vocab_size {table.CODELLAMA_VOCAB} (CodeLlama's infill tokens)")
+    if refused:
+        raise PlanError(f"config.json has {', '.join(refused)}: GGUF output does not write that yet")
+
+
+def check_tokenizer(model_dir: Path, family: table.Family) -> str:
+    """How the reference reads the vocabulary: ``"spm"`` (``tokenizer.model``, for a family that
+    tries SentencePiece first) or ``"bpe"`` (``tokenizer.json``); a PlanError where it would read
+    it another way (a byte-fallback Llama 2 BPE without its tokenizer.model), not written yet."""
     if (model_dir / "tokenizer.model").is_file():
-        raise PlanError("a SentencePiece tokenizer (tokenizer.model): GGUF output does not write it yet")
+        if family.sentencepiece:
+            return "spm"
+        raise PlanError(f"a SentencePiece tokenizer (tokenizer.model) for {family.arch}: GGUF output does not write it")
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise PlanError(f"GGUF output needs the model's tokenizer.json, and {model_dir} has none")
@@ -110,22 +129,32 @@ def check_tokenizer(model_dir: Path) -> dict[str, Any]:
     llama3 = model.get("ignore_merges", False) and not model.get("byte_fallback", True)
     if not llama3 and model.get("byte_fallback", False) and (data.get("decoder") or {}).get("type") == "Sequence":
         raise PlanError("a byte-fallback (Llama 2 style) BPE tokenizer: GGUF output does not write it yet")
-    return data
+    return "bpe"
 
 
 def add_vocab(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, Any], model_dir: Path) -> None:
-    """``LlamaModel.set_vocab`` / ``Qwen2Model.set_vocab`` for a BPE tokenizer (``_set_vocab_gpt2``)."""
-    check_tokenizer(model_dir)
+    """``LlamaModel.set_vocab`` / ``Qwen2Model.set_vocab``: SentencePiece (``_set_vocab_sentencepiece``)
+    or BPE (``_set_vocab_gpt2``), as check_tokenizer finds."""
+    kind = check_tokenizer(model_dir, family)
     config = model_dir / "tokenizer_config.json"
     if family.arch == "LLAMA" and config.is_file():
         if (prefix := json.loads(config.read_bytes()).get("add_prefix_space")) is not None:
             w.add_add_space_prefix(prefix)
-    tokens, types, pre = vocab_base(model_dir, hparams)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    SpecialVocab(model_dir, load_merges=True).add_to_gguf(w, quiet=True)
+    if kind == "spm":
+        tokens, scores, types = spm.pieces(model_dir, hparams)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+    else:
+        tokens, types, pre = vocab_base(model_dir, hparams)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        SpecialVocab(model_dir, load_merges=True).add_to_gguf(w, quiet=True)
     if family.arch == "LLAMA" and hparams.get("vocab_size", 32000) == 49152:  # the reference's granite rule
         w.add_add_bos_token(False)
 
@@ -153,7 +182,7 @@ def vocab_base(model_dir: Path, hparams: dict[str, Any]) -> tuple[list[str], lis
         if i in added:
             if not added[i].normalized:
                 token = tok.decode(tok.encode(token, add_special_tokens=False).ids, skip_special_tokens=False)
-            if added[i].special or looks_special(token):
+            if added[i].special or table.looks_special(token):
                 types.append(gguf.TokenType.CONTROL)
             else:
                 token = token.replace("\u2581", " ")
@@ -172,10 +201,3 @@ def pre_tokenizer(tok) -> str:
         names = ", ".join(sorted(set(table.PRE_TOKENIZERS.values())))
         raise PlanError(f"the tokenizer's BPE pre-tokenizer is not one GGUF output knows ({names}; chkhsh {digest})")
     return table.PRE_TOKENIZERS[digest]
-
-
-def looks_special(token: str) -> bool:
-    """``TextModel.does_token_look_special``."""
-    return token in table.LOOKS_SPECIAL or any(
-        token.startswith(a) and token.endswith(b) for a, b in table.LOOKS_SPECIAL_AROUND
-    )

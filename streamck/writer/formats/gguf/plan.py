@@ -22,6 +22,7 @@ from streamck.plan import OutputTensor, Plan
 from streamck.source.select import Rows, select
 from streamck.transforms.q8_0 import BLOCK, Q8_0, q8_0_shape
 from streamck.writer.formats.gguf import meta, table
+from streamck.writer.formats.gguf.experts import Stacker
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 
@@ -39,7 +40,14 @@ class Prepared:
 
 def model_dir(plan: Plan) -> Path:
     """The folder holding the model's config.json and tokenizer: where the plan's side files
-    come from, else the source's. A PlanError where it has no config.json."""
+    come from, else the source's. A PlanError where it has no config.json, or where a built-in
+    plan writes its own config.json (a trainer's step exported: config from {hf_config})."""
+    if isinstance(plan.files.get("config.json"), bytes):
+        raise PlanError(
+            "GGUF output reads the config and tokenizer from a Hugging Face folder, not yet from a built-in "
+            "{plan}'s export: write that first (-o DIR), put the tokenizer beside its config.json, then "
+            "rewrite DIR to .gguf"
+        )
     where = next(
         (p.parent for n in ("config.json", "tokenizer.json") if isinstance(p := plan.side_files.get(n), Path)), None
     )
@@ -76,21 +84,38 @@ def prepare(plan: Plan, outtype: str = "auto") -> tuple[Plan, Prepared]:
     where = model_dir(plan)
     hparams = json.loads((where / "config.json").read_bytes())
     family = family_of(hparams)
-    meta.check_tokenizer(where)
+    meta.check_parameters(family, hparams)
+    meta.check_tokenizer(where, family)
     ftype = file_type(outtype, plan.tensors)
     arch = gguf.MODEL_ARCH[family.arch]
     names = gguf.get_tensor_name_map(arch, hparams["num_hidden_layers"])
+    stacker = _stacker(family, hparams)
     out = []
     for t in sorted(plan.tensors, key=lambda t: (t.source.path.name, t.name)):  # by file, then name
         if t.name.endswith(table.SKIPPED_SUFFIXES):
             continue
-        name = names.get_name(key=t.name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise PlanError(f"tensor {t.name} has no GGUF name for {gguf.MODEL_ARCH_NAMES[arch]}")
-        out.append(_output(t, name, _rows(t, family, hparams), ftype))
+        stacked = stacker.take(t) if stacker else None
+        for s in [t] if stacked is None else stacked:
+            name = names.get_name(key=s.name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise PlanError(f"tensor {s.name} has no GGUF name for {gguf.MODEL_ARCH_NAMES[arch]}")
+            out.append(_output(s, name, _rows(s, family, hparams), ftype))
+    if stacker:
+        stacker.finish()
     summary = [*plan.summary, f"GGUF {gguf.MODEL_ARCH_NAMES[arch]}, {ftype.name}, keys from {where}"]
     gguf_plan = Plan(out, {}, source=plan.source, summary=summary, notices=plan.notices)
     return gguf_plan, Prepared(family, hparams, where, ftype)
+
+
+def _stacker(family: table.Family, hparams: dict[str, Any]) -> Stacker | None:
+    """The family's expert stacker (None for a dense family); PlanError where config.json
+    states no expert count."""
+    if family.experts is None:
+        return None
+    count = meta.find(hparams, table.EXPERT_COUNT)
+    if not isinstance(count, int) or count < 1:
+        raise PlanError(f"config.json states no expert count ({' or '.join(table.EXPERT_COUNT)})")
+    return Stacker(family.experts, count)
 
 
 def _rows(t: OutputTensor, family: table.Family, hparams: dict[str, Any]) -> Rows | None:
@@ -120,11 +145,22 @@ def _output(t: OutputTensor, name: str, rows: Rows | None, ftype: gguf.LlamaFile
 
 
 def _qtype(name: str, shape: tuple[int, ...], ftype: gguf.LlamaFileType) -> str:
-    """``prepare_tensors``'s choice: F32 for 1-D tensors, norms and anything not a ``.weight``;
-    else the file type's, Q8_0 falling back to F16 where the last axis is not whole blocks."""
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    """``prepare_tensors``'s choice: F32 for 1-D tensors, norms, routers (table.F32_TENSORS) and
+    anything not a ``.weight``; else the file type's, Q8_0 falling back to F16 where the last
+    axis is not whole blocks."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or _kept_f32(name):
         return "F32"
     kind = {"ALL_F32": "F32", "MOSTLY_F16": "F16", "MOSTLY_BF16": "BF16", "MOSTLY_Q8_0": "Q8_0"}[ftype.name]
     if kind == "Q8_0" and shape[-1] % BLOCK:
         return "F16"
     return kind
+
+
+def _kept_f32(name: str) -> bool:
+    """Whether ``name`` (``blk.N.kind.weight``) is one of the tensors the reference keeps in F32
+    in every file type (``match_model_tensor_name`` against table.F32_TENSORS)."""
+    parts = name.split(".")
+    if len(parts) != 4 or not parts[1].isdecimal():
+        return False
+    kinds = (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[k]] for k in table.F32_TENSORS)
+    return any(k.format(bid=parts[1]) + ".weight" == name for k in kinds)

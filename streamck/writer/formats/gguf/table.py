@@ -2,10 +2,10 @@
 its tensors are rewritten, and which ``config.json`` values become which GGUF keys.
 
 Every row restates what llama.cpp's ``convert_hf_to_gguf.py`` (as vendored by llama-cpp-python
-0.3.36: ``conversion/base.py`` ``TextModel``, ``conversion/llama.py`` ``LlamaModel``,
-``conversion/qwen.py`` ``Qwen3Model``) does for that family; the names of the GGUF keys and
-tensors are gguf-py's (``gguf.Keys``, ``TensorNameMap``), looked up by the writer method or
-``MODEL_ARCH`` member named here, never retyped.
+0.3.36: ``conversion/base.py`` ``TextModel``, ``conversion/llama.py`` ``LlamaModel`` (Mistral and
+Mixtral too), ``conversion/qwen.py`` ``Qwen3Model`` and ``Qwen3MoeModel``) does for that family;
+the names of the GGUF keys and tensors are gguf-py's (``gguf.Keys``, ``TensorNameMap``), looked up
+by the writer method or ``MODEL_ARCH`` member named here, never retyped.
 """
 
 from __future__ import annotations
@@ -19,19 +19,52 @@ class Family:
     ``permute_qk`` says whether q_proj/k_proj rows are reordered from Hugging Face's rotate-half
     RoPE layout to GGML's interleaved one (``LlamaModel.permute``); ``vocab_size_key`` and
     ``rope_dims_key`` whether ``llama.vocab_size`` and ``llama.rope.dimension_count`` follow the
-    generic parameters (``LlamaModel.set_gguf_parameters``)."""
+    generic parameters (``LlamaModel.set_gguf_parameters``); ``sentencepiece`` whether its
+    ``set_vocab`` reads a ``tokenizer.model`` first, where there is one; ``experts`` is its MoE layout
+    (None: a dense model); ``params`` the keys its own ``set_gguf_parameters`` adds after the
+    generic ones, as PARAMS's rows."""
 
     arch: str
     permute_qk: bool
     vocab_size_key: bool
     rope_dims_key: bool
+    experts: Experts | None = None
+    params: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    sentencepiece: bool = False
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How the reference stacks a family's per-expert tensors (``Qwen2MoeModel.modify_tensors``,
+    ``LlamaModel.modify_tensors``): the per-expert names ``{block}.experts.{e}.{proj}.weight``
+    under ``model.layers.{bid}.{block}``; once a layer's ``len(projs)`` x E tensors are all seen,
+    each of ``projs`` in this order becomes one [E, rows, cols] tensor named ``stacked`` (its
+    Hugging Face-side name, which ``TensorNameMap`` maps)."""
+
+    block: str
+    projs: tuple[str, ...]
+    stacked: str
 
 
 # Hugging Face ``architectures[0]`` -> its family. Others are refused by name.
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family("LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True),
-    "Qwen3ForCausalLM": Family("QWEN3", permute_qk=False, vocab_size_key=False, rope_dims_key=False),
-}
+    "LlamaForCausalLM": Family("LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True, sentencepiece=True),
+    "MistralForCausalLM": Family("LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True, sentencepiece=True),
+    "Qwen3ForCausalLM": Family(
+        "QWEN3", permute_qk=False, vocab_size_key=False, rope_dims_key=False, sentencepiece=True
+    ),
+    "Qwen3MoeForCausalLM": Family(
+        "QWEN3MOE", permute_qk=False, vocab_size_key=False, rope_dims_key=False,
+        experts=Experts("mlp", ("down_proj", "gate_proj", "up_proj"), "model.layers.{bid}.mlp.experts.{proj}.weight"),
+        params=(("add_expert_feed_forward_length", ("moe_intermediate_size",)),
+                ("add_expert_shared_feed_forward_length", ("shared_expert_intermediate_size",))),
+    ),
+    "MixtralForCausalLM": Family(
+        "LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True,
+        experts=Experts("block_sparse_moe", ("w1", "w2", "w3"), "layers.{bid}.feed_forward.experts.{proj}.weight"),
+        sentencepiece=True,
+    ),
+}  # fmt: skip
 
 # TextModel.set_gguf_parameters's first rows, in its order: the GGUFWriter method and the
 # config keys it reads (the first present wins; none present: no key written).
@@ -55,9 +88,23 @@ LOCAL_ROPE_THETA = (
 )
 RMS_EPS = ("rms_norm_eps", "norm_eps")
 NORM_EPS = ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
-# Keys the generic parameters would turn into MoE, RoPE-scaling or pooling keys this slice does
-# not write: a config holding one is refused rather than converted differently.
-UNSUPPORTED = ("num_local_experts", "num_experts", "n_routed_experts", "mrope_section", "classifier_pooling")
+# The generic parameters' MoE rows, after the norm epsilons, in its order (as PARAMS).
+MOE_PARAMS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("add_expert_count", ("num_local_experts", "num_experts", "n_routed_experts")),
+    ("add_expert_used_count", ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")),
+    ("add_expert_group_count", ("n_group",)),
+    ("add_expert_group_used_count", ("topk_group",)),
+)
+# Keys the generic parameters would turn into routing, RoPE-scaling or pooling keys this slice
+# does not write: a config holding one is refused rather than converted differently.
+UNSUPPORTED = (
+    "score_function", "scoring_func", "score_func", "moe_router_activation", "moe_router_activation_func",
+    "expert_selection_fn", "mrope_section", "classifier_pooling",
+)  # fmt: skip
+# Expert counts: a config stating one is an MoE model, converted only by a family with experts.
+EXPERT_COUNT = MOE_PARAMS[0][1]
+# prepare_tensors's tensors kept in F32 whatever the file type (the ones these families have).
+F32_TENSORS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP")
 
 # Tensors the reference skips (ModelBase.prepare_tensors: "we don't need these").
 SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
@@ -83,3 +130,10 @@ PRE_TOKENIZERS = {
 # TextModel.does_token_look_special: added tokens that are control tokens though not marked special.
 LOOKS_SPECIAL = ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
 LOOKS_SPECIAL_AROUND = (("<|", "|>"), ("<｜", "｜>"), ("<unused", ">"))
+# LlamaModel.set_vocab's CodeLlama rule (infill tokens at fixed ids) applies to this vocab_size: refused.
+CODELLAMA_VOCAB = 32016
+
+
+def looks_special(token: str) -> bool:
+    """``TextModel.does_token_look_special``."""
+    return token in LOOKS_SPECIAL or any(token.startswith(a) and token.endswith(b) for a, b in LOOKS_SPECIAL_AROUND)
