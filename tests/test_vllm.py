@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,7 +201,8 @@ def served(quant, native, tmp_path_factory) -> dict:  # noqa: F811
         job.update(prompts=PROMPTS, max_tokens=MAX_TOKENS)
     results = run_vllm(jobs, root / "run")
     print(f"vLLM: {len(jobs)} loads in {results['_seconds']} s")
-    return {job["name"]: {**results[job["name"]], "job": job} for job in jobs} | {"_pgid": results["_pgid"]}
+    served = {job["name"]: {**results[job["name"]], "job": job} for job in jobs}
+    return served | {k: results[k] for k in ("_pgid", "_left_at_exit")}
 
 
 @pytest.fixture(scope="module")
@@ -353,10 +356,28 @@ def test_eagle3_draft_that_predicts_is_accepted(served):
 
 
 def test_no_engine_process_left(served):
-    """The driver's process group is gone once its results are in (vLLM's engine ran in the driver)."""
+    """The driver left nothing running as it ended by itself (vLLM's engine ran in the driver and was
+    torn down after each job), and nothing of its process group outlives run_vllm."""
     from vllm_env import group_alive
 
+    assert served["_left_at_exit"] == []
     assert group_alive(served["_pgid"]) == []
+
+
+def test_a_driver_whose_test_died_ends_its_group(tmp_path):
+    """A driver whose parent is gone without ending it (pytest killed) ends its own process group."""
+    from vllm_env import DRIVER, group_alive
+
+    orphan = tmp_path / "orphan.py"  # the driver's watch, then a wait as long as a load
+    orphan.write_text(f"import runpy, time\nrunpy.run_path({str(DRIVER)!r})['end_with_parent']()\ntime.sleep(120)\n")
+    start = f"subprocess.Popen([sys.executable, {str(orphan)!r}], start_new_session=True, stdout=subprocess.DEVNULL)"
+    parent = f"import os, subprocess, sys\nos.environ['STREAMCK_VLLM_PARENT'] = str(os.getpid())\nprint({start}.pid)"
+    pid = int(subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60).stdout)
+    for _ in range(50):  # its parent exited at once: the driver sees it within a second or so
+        if not group_alive(pid):
+            break
+        time.sleep(0.2)
+    assert group_alive(pid) == []
 
 
 # A driver that starts two children as vLLM's engine does (multiprocessing, in its process group),

@@ -21,7 +21,9 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -143,5 +145,20 @@ def main(jobs_path: str, results_path: str) -> None:
         Path(results_path).write_text(json.dumps(results))
 
 
+def end_with_parent() -> None:
+    """End this process group (vLLM's engine processes with it) once the test that started it
+    (``STREAMCK_VLLM_PARENT``, else the parent now) is gone without ending it (pytest killed, CI
+    cancelled): the parent is then someone else."""
+    parent = int(os.environ.get("STREAMCK_VLLM_PARENT") or os.getppid())
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 if __name__ == "__main__":
+    end_with_parent()
     main(*sys.argv[1:])

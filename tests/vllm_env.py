@@ -77,9 +77,16 @@ def _driver_env() -> dict[str, str]:
     a load less on 2 cores) unless ``STREAMCK_VLLM_ENGINE=processes``, vLLM's default (a server's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     processes = os.environ.get("STREAMCK_VLLM_ENGINE") == "processes"
-    settings = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if processes else "0"}  # fmt: skip
+    settings = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if processes else "0",
+        "STREAMCK_VLLM_PARENT": str(os.getpid()),
+    }  # fmt: skip  (tests/vllm_driver.py end_with_parent)
     return {**env, **settings}
 
 
@@ -117,8 +124,10 @@ def run_vllm(jobs: list[dict], work: Path, timeout: float = 900, driver: Path = 
     cmd = [str(python or vllm_python()), str(driver), str(work / "jobs.json"), str(work / "results.json")]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_driver_env(), start_new_session=True)
+    left = []
     try:
         rc = proc.wait(timeout=timeout)
+        left = group_alive(proc.pid)  # what the driver left running as it ended by itself
     except subprocess.TimeoutExpired:
         rc = None
     finally:
@@ -131,5 +140,5 @@ def run_vllm(jobs: list[dict], work: Path, timeout: float = 900, driver: Path = 
         raise RuntimeError(f"vllm_driver.py exited {rc}:\n{tail}")
     results = json.loads((work / "results.json").read_text())
     results["_seconds"] = round(time.monotonic() - start, 1)
-    results["_pgid"] = proc.pid
+    results["_pgid"], results["_left_at_exit"] = proc.pid, left
     return results
