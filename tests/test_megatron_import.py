@@ -133,8 +133,13 @@ def test_a_cast_and_a_split_read_back_as_the_cast_model(models, tmp_path):
     cli("rewrite", run, "-o", tmp_path / "back", "--plan", "megatron-gpt", "-q", check=0)
     assert _same(_tensors(tmp_path / "back" / "model.safetensors"), _tensors(tmp_path / "cast.safetensors"))
     from streamck.plan.megatron.args import read_args
+    from streamck.units import human
 
     assert read_args(run / STEP)[0]["padded_vocab_size"] == 300
+    dry = cli("rewrite", models["llama"], "-o", tmp_path / "dry", *FORMAT, "--dtype", "bf16",
+              "--make-vocab-size-divisible-by", "100", "--dry-run", check=0).stdout  # fmt: skip
+    zeros = 2 * (300 - 250) * 64 * 2  # the embedding's and the head's 50 padding rows of 64 BF16 values
+    assert f"the padded vocabulary's zero rows add {human(zeros)} ({zeros} bytes) to the total" in dry
 
 
 def _refused(*args) -> str:
@@ -145,12 +150,13 @@ def _refused(*args) -> str:
     return proc.stderr
 
 
-def _with_config(models, tmp_path, **changes) -> Path:
+def _with_config(models, tmp_path, name: str = "llama", drop: tuple[str, ...] = (), **changes) -> Path:
+    """MODELS[name]'s weights beside its config.json with ``changes`` made and the keys ``drop`` left out."""
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "model.safetensors").symlink_to(models["llama"] / "model.safetensors")
-    config = json.loads((models["llama"] / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, **changes}))
+    (hf / "model.safetensors").symlink_to(models[name] / "model.safetensors")
+    config = json.loads((models[name] / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({k: v for k, v in {**config, **changes}.items() if k not in drop}))
     return hf
 
 
@@ -163,6 +169,8 @@ def test_a_family_without_a_table_is_refused(models, tmp_path):
 def test_a_vocabulary_that_cannot_be_padded_as_asked_is_refused(models, tmp_path):
     message = _refused(models["llama"], "-o", tmp_path / "run", *FORMAT, "--make-vocab-size-divisible-by", "0")
     assert "--make-vocab-size-divisible-by 0: must be at least 1" in message
+    message = _refused(models["llama"], "-o", tmp_path / "run", *FORMAT, "--make-vocab-size-divisible-by", "1000000")
+    assert "--make-vocab-size-divisible-by 1000000 pads the 250-row vocabulary with 999750 zero rows" in message
     hf = _with_config(models, tmp_path, vocab_size=260)  # the embedding holds 250 rows
     message = _refused(hf, "-o", tmp_path / "run", *FORMAT)
     assert "model.embed_tokens.weight has shape [250, 64], expected [260, 64]" in message
@@ -194,3 +202,84 @@ def test_a_tied_head_saved_anyway_is_left_out(models, tmp_path):
     cli("rewrite", hf, "-o", tmp_path / "run", *FORMAT, "-q", check=0)
     cli("rewrite", tmp_path / "run", "-o", tmp_path / "back", "--plan", "megatron-gpt", "-q", check=0)
     assert _same(_tensors(tmp_path / "back" / "model.safetensors"), tensors)
+
+
+def test_a_megatron_tensor_whose_parts_are_cast_apart_is_refused(models, tmp_path):
+    """q_proj cast to F32 and k_proj to BF16 would be one linear_qkv of two dtypes; .metadata names one."""
+    message = _refused(models["llama"], "-o", tmp_path / "run", *FORMAT, "--dtype", "bf16",
+                       "--cast", "*q_proj.weight=F32")  # fmt: skip
+    assert ("decoder.layers.self_attention.linear_qkv.weight would hold model.layers.0.self_attn.q_proj.weight as "
+            "F32 and model.layers.0.self_attn.k_proj.weight as BF16") in message  # fmt: skip
+
+
+def test_a_plans_own_config_goes_along(models, tmp_path):
+    """A run root without config.json read by --plan megatron-gpt (which builds config.json from its
+    args) and written again by --format megatron keeps that config.json; transformers reads it as the
+    model's, and the new run reads back as the Hugging Face tensors."""
+    from transformers import AutoConfig
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("latest_checkpointed_iteration.txt", STEP):
+        (bare / name).symlink_to(models["llama"].parent / "llama-run" / name)
+    cli("rewrite", bare, "-o", tmp_path / "run", "--plan", "megatron-gpt", *FORMAT, "-q", check=0)
+    got, want = (AutoConfig.from_pretrained(p).to_dict() for p in (tmp_path / "run", models["llama"]))
+    assert all(got[k] == want[k] for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"))
+    cli("rewrite", tmp_path / "run", "-o", tmp_path / "back", "--plan", "megatron-gpt", "-q", check=0)
+    assert _same(_tensors(tmp_path / "back" / "model.safetensors"), _tensors(models["llama"] / "model.safetensors"))
+
+
+SLIDING = [  # (model, config changes, the key the refusal names; None: no layer's window applies, written)
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2, "layer_types": None},
+     "use_sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention"] * 3
+               + ["sliding_attention"]}, "layer_types"),
+    ("mixtral", {"sliding_window": 16}, "sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 4, "layer_types": None}, None),
+    ("mixtral", {"sliding_window": None}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "changes", "key"), SLIDING)
+def test_sliding_window_attention_is_refused(models, tmp_path, name, changes, key):
+    """Megatron's GPTModel attends over the whole sequence: a window some layer has, as transformers
+    reads the config, is refused naming the key that turns it on; one no layer has is written."""
+    from transformers import AutoConfig
+
+    hf = _with_config(models, tmp_path, name, **changes)
+    config = AutoConfig.from_pretrained(hf)
+    types = getattr(config, "layer_types", None)
+    assert (key is not None) == (config.sliding_window is not None and (types is None or "sliding_attention" in types))
+    if key is None:
+        cli("rewrite", hf, "-o", tmp_path / "run", *FORMAT, "--dry-run", check=0)
+        return
+    assert f"{key} turns on sliding-window attention" in _refused(hf, "-o", tmp_path / "run", *FORMAT)
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [({"rope_parameters": "x"}, "config.json's rope_parameters must be an object, not 'x'"),
+     ({"rms_norm_eps": None}, "config.json's rms_norm_eps must be a positive number, not None"),
+     ({"rope_parameters": None, "rope_theta": "abc"}, "config.json's rope_theta must be a positive number, not 'abc'"),
+     ({"rope_parameters": {"rope_theta": -1.0}}, "config.json's rope_parameters.rope_theta must be a positive number"),
+     ({"max_position_embeddings": 6.5}, "config.json's max_position_embeddings must be a positive integer")],
+)  # fmt: skip
+def test_config_values_the_args_take_are_checked(models, tmp_path, changes, says):
+    hf = _with_config(models, tmp_path, **changes)
+    assert says in _refused(hf, "-o", tmp_path / "run", *FORMAT)
+
+
+def test_norm_topk_prob_left_out_is_the_familys_default(models, tmp_path):
+    """Qwen3-MoE's config without norm_topk_prob: transformers takes False (no renormalising), so the
+    args say moe_router_pre_softmax, and --plan megatron-gpt, checking them against that config,
+    reads the run back as the Hugging Face tensors."""
+    from transformers import AutoConfig
+
+    from streamck.plan.megatron.args import read_args
+
+    hf = _with_config(models, tmp_path, "qwen3_moe", drop=("norm_topk_prob",))
+    assert AutoConfig.from_pretrained(hf).norm_topk_prob is False
+    cli("rewrite", hf, "-o", tmp_path / "run", *FORMAT, "-q", check=0)
+    assert read_args(tmp_path / "run" / STEP)[0]["moe_router_pre_softmax"] is True
+    cli("rewrite", tmp_path / "run", "-o", tmp_path / "back", "--plan", "megatron-gpt", "-q", check=0)
+    assert _same(_tensors(tmp_path / "back" / "model.safetensors"), _tensors(hf / "model.safetensors"))

@@ -21,8 +21,9 @@ from streamck.errors import OutputError, listing
 ALIGN = 64
 _FLAGS = 0x0808  # data descriptor follows; names are UTF-8
 _U32 = 0xFFFFFFFF
-_FORMAT = {".format_version": b"1", ".storage_alignment": b"64", "byteorder": b"little"}
-_TRAILER = {"version": b"3\n", ".data/serialization_id": b"0" * 40}
+# The small members torch.save writes before the data records and after them, in its order (torch 2.x).
+FORMAT = {".format_version": b"1", ".storage_alignment": b"64", "byteorder": b"little"}
+TRAILER = {"version": b"3\n", ".data/serialization_id": b"0" * 40}
 
 
 def _pickle(tensors: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
@@ -190,9 +191,9 @@ def layout(filename: str, tensors: list[tuple[str, str, tuple[int, ...], int]]) 
     tensors, with offsets: small records first, then ``data/<i>``, then the trailer."""
     prefix = archive_name(filename) + "/"
     pkl = _pickle([(n, d, s) for n, d, s, _ in tensors])
-    sizes = [("data.pkl", len(pkl)), *((k, len(v)) for k, v in _FORMAT.items())]
+    sizes = [("data.pkl", len(pkl)), *((k, len(v)) for k, v in FORMAT.items())]
     sizes += [(f"data/{i}", t[3]) for i, t in enumerate(tensors)]
-    sizes += [(k, len(v)) for k, v in _TRAILER.items()]
+    sizes += [(k, len(v)) for k, v in TRAILER.items()]
     records, offset = [], 0
     for name, size in sizes:
         record = Record(prefix + name, size, offset)
@@ -221,7 +222,7 @@ def stream_archive(
     """The archive's bytes in order; ``data`` yields, per tensor, its bytes in pieces."""
     pkl, records = layout(filename, tensors)
     crcs = []
-    small = {"data.pkl": pkl, **_FORMAT, **_TRAILER}
+    small = {"data.pkl": pkl, **FORMAT, **TRAILER}
     prefix = archive_name(filename) + "/"
     for record in records:
         yield record.local_header()

@@ -87,7 +87,7 @@ def metadata(files: Sequence[tuple[str, Sequence[Item]]]) -> bytes:
             if c is None:
                 objects[item.fqn] = New(Global(META, "BytesStorageMetadata"), {})
             else:
-                entry = tensors.setdefault(c.key, (c, []))
+                entry = tensors.setdefault(c.key, (c, []))  # its dtype is every chunk's: table._one_dtype
                 entry[1].append(
                     New(Global(META, "ChunkStorageMetadata"), {"offsets": size(c.offsets), "sizes": size(c.sizes)})
                 )

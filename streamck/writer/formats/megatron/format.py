@@ -21,10 +21,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from streamck.dtypes import nbytes
 from streamck.errors import OutputError, PlanError, UsageError
 from streamck.fileio import write_all
 from streamck.plan import Plan
 from streamck.plan.megatron.layout import HEAD
+from streamck.units import human
 from streamck.writer.formats.base import Format, TensorBytes
 from streamck.writer.formats.megatron import common
 from streamck.writer.formats.megatron.dcp import Item, Piece, metadata
@@ -44,6 +46,14 @@ _ZEROS = bytes(4 << 20)
 
 
 class Megatron(Format):
+    """``--format megatron``: the run root above from a Hugging Face GPT's stored (or cast) tensors.
+
+    ``prepare`` places every tensor as chunks of megatron-core's keys (table.py, moe.py) and builds
+    the non-sharded state (common.py); ``layout`` frames each chunk as a ``torch.save`` archive and
+    splits them over ``.distcp`` files; ``write`` moves each chunk's bytes (zeros for the padded
+    vocabulary); ``extras`` adds the tracker, ``metadata.json`` and ``.metadata``.
+    """
+
     name = "megatron"
     title = "a Megatron torch_dist checkpoint"
     single_name = STEP
@@ -62,12 +72,12 @@ class Megatron(Format):
             )
         divisible = options.make_vocab_size_divisible_by or DIVISIBLE
         m = model(config, where)
-        padded = padded_vocab(m.sizes["V"], divisible)
+        padded = _padded(m.sizes["V"], divisible, where, given=options.make_vocab_size_divisible_by is not None)
         named = {t.name: t for t in plan.tensors}
         dropped = [named.pop(HEAD[0]).name] if m.tied and HEAD[0] in named else []  # transformers ties it on load
         self.pieces = pieces(named, m, padded, where)
         dtype = plan.tensors[0].dtype if plan.tensors else "F32"
-        args = common.args(config, m, padded, divisible, dtype)
+        args = common.args(config, m, padded, divisible, dtype, where)
         state = (common.COMMON, object_bytes(common.state(args, ITERATION)))
         self.objects = [*common.extra_states(m.sizes["L"], m.sizes.get("E", 0), "S" in m.sizes), state]
         s = m.sizes
@@ -80,8 +90,11 @@ class Megatron(Format):
             summary.append(
                 f"{dropped[0]} left out: the config ties the head to the embedding, as transformers loads it"
             )
+        zeros = sum(_nbytes(p.chunk.dtype, p.chunk.sizes) for p in self.pieces if p.tensor is None)
+        if zeros:  # written beside the tensors, so in no tensor's size: the total below leaves them out
+            summary.append(f"the padded vocabulary's zero rows add {human(zeros)} ({zeros} bytes) to the total")
         tensors = [p.tensor for p in self.pieces if p.tensor is not None]
-        return Plan(tensors, {}, source=plan.source, summary=[*plan.summary, *summary],
+        return Plan(tensors, {}, plan.files, source=plan.source, summary=[*plan.summary, *summary],
                     side_files=plan.side_files, notices=plan.notices)  # fmt: skip
 
     def check(self, plan: Plan, options: WriteOptions, target: Path | str) -> None:
@@ -119,12 +132,23 @@ class Megatron(Format):
             f"{STEP}/metadata.json": BACKEND,
             f"{STEP}/.metadata": metadata(files),
         }
-        return {**plan.side_files, **ours}
+        return {**plan.side_files, **plan.files, **ours}  # the plan's own files win over copies
+
+
+def _padded(vocab: int, divisible: int, where: Path | None, given: bool) -> int:
+    """The padded vocabulary; a PlanError where a ``given`` divisor's padding would add more rows
+    than the vocabulary has (one meant for another model: a file of mostly zeros). Megatron-LM's
+    default, 128, pads a toy vocabulary as Megatron itself would."""
+    padded = padded_vocab(vocab, divisible)
+    if given and padded - vocab > vocab:
+        what = f"{padded - vocab} zero rows, more than it has: give a divisor of at most {vocab}"
+        raise PlanError(
+            f"{{make_vocab_size_divisible_by}} {divisible} pads the {vocab}-row vocabulary with {what}", where
+        )
+    return padded
 
 
 def _nbytes(dtype: str, sizes: tuple[int, ...]) -> int:
-    from streamck.dtypes import nbytes
-
     n = 1
     for d in sizes:
         n *= d

@@ -44,10 +44,18 @@ def moe_sizes(config: dict, where: Path | None) -> dict[str, int]:
     return sizes
 
 
+# What transformers' config class of a family takes for the key that says whether it renormalises
+# (MOE_FAMILIES' "renormalise") when config.json leaves it out: Qwen2MoeConfig's and
+# Qwen3MoeConfig's norm_topk_prob default to False (transformers 5.19).
+RENORMALISE_DEFAULT = {"qwen2_moe": False, "qwen3_moe": False}
+
+
 def renormalises(config: dict) -> bool:
-    """Whether the family renormalises the top-k routing weights (Megatron's default; else --moe-router-pre-softmax)."""
-    says = MOE_FAMILIES[config["model_type"]]["renormalise"]
-    return bool(config.get(says, True)) if isinstance(says, str) else says
+    """Whether the family renormalises the top-k routing weights (Megatron's default; else
+    --moe-router-pre-softmax): the config's word, else its transformers class's default."""
+    kind = config["model_type"]
+    says = MOE_FAMILIES[kind]["renormalise"]
+    return bool(config.get(says, RENORMALISE_DEFAULT[kind])) if isinstance(says, str) else says
 
 
 def _chunk(t: OutputTensor, key: str, shape: tuple[int, ...], at: tuple[int, ...], name: str):

@@ -21,12 +21,9 @@ import pickle
 import zlib
 from typing import NamedTuple
 
-from streamck.dtypes import TORCH
-from streamck.writer.torchsave import Record, end_of_archive
+from streamck.dtypes import BITS, TORCH
+from streamck.writer.torchsave import FORMAT, TRAILER, Record, end_of_archive
 
-# The members torch.save writes around the data, in its order (torch 2.x).
-_FRONT = {".format_version": b"1", ".storage_alignment": b"64", "byteorder": b"little"}
-_BACK = {"version": b"3\n", ".data/serialization_id": b"0" * 40}
 ARCHIVE = "archive"  # torch.save's folder name for a stream (no file name)
 
 
@@ -108,8 +105,6 @@ def tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     if storage:
         pid, rebuild, extra = ("storage", Global("torch", storage), "0", "cpu", numel), "_rebuild_tensor_v2", ()
     else:  # dtypes without a typed storage: an untyped one of bytes, the dtype named after the hooks
-        from streamck.dtypes import BITS
-
         nbytes = numel * BITS[dtype] // 8
         pid = ("storage", Global("torch.storage", "UntypedStorage"), "0", "cpu", nbytes)
         rebuild, extra = "_rebuild_tensor_v3", (Global("torch", torch_name),)
@@ -122,10 +117,10 @@ def archive(pkl: bytes, data_size: int | None) -> tuple[bytes, bytes]:
     """A ``torch.save`` zip of ``pkl`` and, unless ``data_size`` is None, one data record of that
     many bytes: (the bytes before the record's data, the bytes after it)."""
     prefix = ARCHIVE + "/"
-    members = [("data.pkl", pkl), *_FRONT.items()]
+    members = [("data.pkl", pkl), *FORMAT.items()]
     if data_size is not None:
         members.append(("data/0", None))
-    members += list(_BACK.items())
+    members += list(TRAILER.items())
     records, offset = [], 0
     for name, data in members:
         record = Record(prefix + name, data_size if data is None else len(data), offset)

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from streamck.errors import PlanError
-from streamck.plan import OutputTensor
+from streamck.plan import OutputTensor, hf_export
+from streamck.plan.contract import check_shape
 from streamck.plan.megatron.layout import DENSE_MLP, HEAD, LAYER, MOE_FAMILIES, POST_ATTN_NORM, QK_NORM, QKV_BIAS, TOP
-from streamck.source.select import Rows, select
+from streamck.source import TensorRef
+from streamck.source.select import Rows, concat, select
+from streamck.writer.formats.megatron import moe
 from streamck.writer.formats.megatron.dcp import Chunk, Piece
 
 # model_type -> (q/k norms, a qkv bias) for the families whose decoder is megatron-core's GPTModel
@@ -32,8 +35,24 @@ FAMILIES = {
     "qwen2_moe": (False, True),
     "mixtral": (False, False),
 }
-# Config values these tables cannot write (each would need a layout of its own).
-REFUSED = {"mlp_bias": "biases on the MLP", "hidden_act": "an activation other than SwiGLU (silu)"}
+# Config values these tables cannot write (each would need a layout of its own, or Megatron's
+# GPTModel computes something else with them).
+REFUSED = {
+    "mlp_bias": "biases on the MLP",
+    "hidden_act": "an activation other than SwiGLU (silu)",
+    "sliding_window": "sliding-window attention, which Megatron's GPTModel does not do (it attends over the "
+    "whole sequence)",
+}
+# model_type -> (which layers transformers 5 gives the window when the config has no layer_types:
+# "all", "from" max_window_layers on, "even" ones below it; sliding_window's default, the key that
+# turns it on). A config's layer_types, where the family reads it, decides alone.
+WINDOW = {
+    "qwen2": ("from", 4096, "use_sliding_window"),
+    "qwen3": ("from", 4096, "use_sliding_window"),
+    "qwen2_moe": ("even", 4096, "use_sliding_window"),
+    "qwen3_moe": ("all", 4096, "use_sliding_window"),
+    "mixtral": ("all", None, None),  # no switch: a non-null sliding_window is on
+}
 # The linears (and TE's attention) whose per-layer ``_extra_state`` megatron-core saves as a
 # ShardedObject; a model built for loading asks for those its layer spec has (local or Transformer
 # Engine), and more in the checkpoint are never read.
@@ -56,8 +75,6 @@ class Model(NamedTuple):
 
 def model(config: dict, where: Path) -> Model:
     """The config's family, sizes and features; a PlanError for a family or feature with no table."""
-    from streamck.plan import hf_export
-
     kind = config.get("model_type")
     if kind not in FAMILIES:
         raise PlanError(f"model_type {kind!r} has no Megatron GPTModel table ({{format}} megatron writes "
@@ -68,13 +85,34 @@ def model(config: dict, where: Path) -> Model:
         raise PlanError(f"hidden_act {config['hidden_act']!r}: {REFUSED['hidden_act']}", where)
     norms, bias = FAMILIES[kind]
     sizes = hf_export.sizes(config, where)
+    window = _sliding(config, kind, sizes["L"], where)
+    if window is not None:
+        raise PlanError(f"{window} turns on {REFUSED['sliding_window']}: {{format}} megatron refuses it", where)
     sizes["QKV"] = (sizes["nh"] + 2 * sizes["nkv"]) * sizes["d"]
-    moe = kind if kind in MOE_FAMILIES else None
-    if moe is not None:
-        from streamck.writer.formats.megatron.moe import moe_sizes
+    family = kind if kind in MOE_FAMILIES else None
+    if family is not None:
+        sizes |= moe.moe_sizes(config, where)
+    return Model(sizes, norms, bias, bool(config.get("tie_word_embeddings", False)), family)
 
-        sizes |= moe_sizes(config, where)
-    return Model(sizes, norms, bias, bool(config.get("tie_word_embeddings", False)), moe)
+
+def _sliding(config: dict, kind: str, layers: int, where: Path | None) -> str | None:
+    """The config key that gives some layer a sliding attention window, as transformers 5 reads the
+    config, or None where no layer has one."""
+    types = config.get("layer_types")
+    if isinstance(types, list) and "sliding_attention" in types:
+        return "layer_types"
+    if kind not in WINDOW:
+        return None
+    which, default, switch = WINDOW[kind]
+    if (types is not None and which != "all") or config.get("sliding_window", default) is None:
+        return None  # layer_types names no sliding layer, or there is no window
+    if switch is not None and not config.get(switch, False):
+        return None
+    first = config.get("max_window_layers", 28)
+    if not isinstance(first, int) or isinstance(first, bool):
+        raise PlanError(f"max_window_layers must be an integer, not {first!r}", where)
+    applies = {"all": True, "from": first < layers, "even": first > 0}[which]
+    return (switch or "sliding_window") if applies else None
 
 
 def padded_vocab(vocab: int, divisible_by: int) -> int:
@@ -84,8 +122,21 @@ def padded_vocab(vocab: int, divisible_by: int) -> int:
 
 def _rows(t: OutputTensor, first: int, stop: int, name: str) -> OutputTensor:
     """Rows [first, stop) of ``t`` as the chunk ``name`` (its source named by the Hugging Face tensor's rows)."""
-    ref = select(t.source, Rows.span(first, stop), name=f"{t.name}[{first}:{stop}]")
-    return OutputTensor(name, ref, t.dtype)
+    return OutputTensor(name, _span(t.source, first, stop, f"{t.name}[{first}:{stop}]"), t.dtype)
+
+
+def _span(ref: TensorRef, first: int, stop: int, name: str) -> TensorRef:
+    """Rows [first, stop) of ``ref``; of a gathered one (a tensor another plan assembled from
+    pieces: ``--plan megatron-gpt``'s q_proj, from each query group's rows), those rows of its parts."""
+    if ref.parts is None:
+        return select(ref, Rows.span(first, stop), name=name)
+    out, at = [], 0
+    for part in ref.parts:
+        lo, hi = max(first, at), min(stop, at + part.shape[0])
+        if lo < hi:
+            out.append(select(part, Rows.span(lo - at, hi - at), name=name))
+        at += part.shape[0]
+    return concat(name, out)
 
 
 def _whole(t: OutputTensor, key: str, shape: tuple[int, ...], layer: int | None) -> Piece:
@@ -133,8 +184,6 @@ def _table(m: Model) -> list[tuple]:
 
 def _wanted(m: Model, s: dict[str, int]) -> list[tuple[str, tuple[str, ...]]]:
     """Every Hugging Face tensor the tables place, with its shape (shape symbols)."""
-    from streamck.writer.formats.megatron import moe
-
     out = [
         (hf, ("V", "H") if kind == "vocab" else exprs) for hf, _, kind, exprs in (*TOP, *(() if m.tied else (HEAD,)))
     ]
@@ -147,9 +196,6 @@ def _wanted(m: Model, s: dict[str, int]) -> list[tuple[str, tuple[str, ...]]]:
 
 def _checked(tensors: dict[str, OutputTensor], wanted: list, s: dict[str, int], where: Path | None) -> None:
     """Every wanted tensor there, of its shape and a float dtype, and no other."""
-    from streamck.plan import hf_export
-    from streamck.plan.contract import check_shape
-
     missing = [n for n, _ in wanted if n not in tensors]
     extra = sorted(set(tensors) - {n for n, _ in wanted})
     if missing or extra:
@@ -168,8 +214,6 @@ def pieces(tensors: dict[str, OutputTensor], m: Model, padded: int, where: Path 
     """Every chunk of the GPTModel, in the Hugging Face tensors' order per layer; a PlanError
     naming a tensor the tables expect and the checkpoint lacks, one they have no place for, or
     one of another shape."""
-    from streamck.writer.formats.megatron import moe
-
     s = {**m.sizes, "Vp": padded}
     _checked(tensors, _wanted(m, s), s, where)
     out: list[Piece] = []
@@ -187,4 +231,23 @@ def pieces(tensors: dict[str, OutputTensor], m: Model, padded: int, where: Path 
                 out.append(_whole(t, key, (s["L"], *t.shape), i))
                 out += [moe.te_norm(out[-1], i)] if m.moe and key == POST_ATTN_NORM else []
         out += moe.layer_pieces(tensors, m.moe, s, i) if m.moe else []
+    _one_dtype(out, where)
     return out
+
+
+def _one_dtype(out: list[Piece], where: Path | None) -> None:
+    """Every chunk of a Megatron tensor in the one dtype its ``.metadata`` entry names (a --cast
+    that splits a fused tensor's parts, q_proj but not k_proj, has no such dtype)."""
+    first: dict[str, Piece] = {}
+    for p in out:
+        seen = first.setdefault(p.chunk.key, p)
+        if p.chunk.dtype != seen.chunk.dtype:
+            one, two = (_source(x) for x in (seen, p))
+            raise PlanError(f"{p.chunk.key} would hold {one} as {seen.chunk.dtype} and {two} as {p.chunk.dtype}: "
+                            "a Megatron tensor has one dtype, so cast its parts alike", where)  # fmt: skip
+
+
+def _source(p: Piece) -> str:
+    """The Hugging Face tensor a chunk is (some of) the rows of: its name without _rows' [first:stop]."""
+    assert p.tensor is not None  # a zeros chunk has its tensor's dtype, so it never differs first
+    return p.tensor.source.name.partition("[")[0]
