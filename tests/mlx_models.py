@@ -120,6 +120,10 @@ REFERENCES = {
     "qwen3-q8-g128": ("qwen3", {"quantize": True, "q_bits": 8, "q_group_size": 128}),
     "llama-mxfp4": ("llama", {"quantize": True, "q_mode": "mxfp4"}),
     "qwen3_moe-mxfp4": ("qwen3_moe/hf", {"quantize": True, "q_mode": "mxfp4"}),
+    "llama-nvfp4": ("llama", {"quantize": True, "q_mode": "nvfp4"}),
+    "llama-mxfp8": ("llama", {"quantize": True, "q_mode": "mxfp8"}),
+    "llama-nvfp4-f16": ("llama", {"quantize": True, "q_mode": "nvfp4", "dtype": "float16"}),
+    "qwen3_moe-mxfp8": ("qwen3_moe/hf", {"quantize": True, "q_mode": "mxfp8"}),
     **{k: (f"{k}/hf", {}) for k in MOE_KINDS},
     **{f"{k}-q4": (f"{k}/hf", {"quantize": True}) for k in MOE_KINDS},
 }

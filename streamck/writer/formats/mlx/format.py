@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 class MLX(Format):
     """MLX output. Its types are ``options.outtype``: ``--dtype`` (bf16, f16, f32) or a
-    ``--quantize`` scheme (``mlx_q4``, ``mlx_q8``), with ``options.group_size``."""
+    ``--quantize`` scheme (``mlx_q4``, ``mlx_q8``, ``mlx_mxfp4``, ``mlx_nvfp4``, ``mlx_mxfp8``: table.SCHEMES),
+    with ``options.group_size``."""
 
     name = "mlx"
     title = "an MLX model"

@@ -7,7 +7,8 @@ band at a time), every float tensor in the dtype MLX holds it in (``--dtype``, e
 ``torch_dtype``, else the stored one), and with ``-q`` each quantizable weight (a Linear's, an
 Embedding's, a stack's: ``.weight`` of two axes or more, whose last is whole groups) as packed
 words, scales and biases (streamck.transforms.mlx_quant). The config is the source's as
-``save_config`` writes it.
+``save_config`` writes it. A quantized source (FP8, NVFP4, MXFP4) is first dequantized as
+``--dtype`` dequantizes it (dequantized()), each weight computed a band at a time as it is read.
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamck.dtypes import castable_dtype
+from streamck.dtypes import TORCH_NAMES, castable_dtype
 from streamck.errors import PlanError, UsageError
 from streamck.plan import OutputTensor, Plan
+from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_kind
 from streamck.source.select import concat
-from streamck.transforms.mlx_quant import PARTS, MlxQuant, group_shape, packed_shape
+from streamck.transforms.dequantize import Fp4Dequant, Fp8Dequant
+from streamck.transforms.mlx_quant import PARTS, MlxQuant, MlxStack, group_shape, packed_shape
 from streamck.writer.formats.mlx import table
 
 FLOATS = ("F32", "F16", "BF16")
-# What mx.load reads and mlx-lm holds (a quantized source's F8, F4 and scale types are not yet dequantized).
+# What mx.load reads and mlx-lm holds (a quantized source's F8 weights are dequantized first: dequantized()).
 MLX_DTYPES = (*FLOATS, "BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+DEQUANT = (Fp8Dequant, Fp4Dequant)  # the only transforms read: a quantized source's, band by band
 
 
 @dataclass
@@ -123,7 +127,7 @@ def sanitized(plan: Plan, fam: table.Family, config: dict[str, Any]) -> list[Out
     tied = config.get("tie_word_embeddings", fam is table.FAMILIES["llama"])
     out = []
     for t in plan.tensors:
-        if t.transform is not None:
+        if t.transform is not None and not isinstance(t.transform, DEQUANT):
             raise PlanError(f"{t.name} is computed ({t.transform.label}): MLX output reads stored tensors only, yet")
         if t.dtype not in MLX_DTYPES:
             raise PlanError(f"{t.name} is {t.dtype}: MLX output reads unquantized models only, yet")
@@ -159,6 +163,12 @@ def _stack(name: str, experts: list[OutputTensor]) -> OutputTensor:
     first = experts[0]
     if any(t.dtype != first.dtype or t.shape != first.shape for t in experts):
         raise PlanError(f"{name}: the experts' {first.name.rsplit('.', 2)[-2]} differ in dtype or shape")
+    computed = [t for t in experts if t.transform is not None]  # a quantized source's, dequantized
+    if computed and len(computed) < len(experts):
+        raise PlanError(f"{name}: some of its experts are quantized ({computed[0].name}) and some not")
+    if computed:  # dequantized expert by expert, never a whole stack
+        stack = MlxStack(tuple((t.source, t.transform) for t in experts), first.dtype)  # type: ignore[misc]
+        return OutputTensor(name, first.source, first.dtype, stack, (len(experts), *first.shape))
     try:
         ref = concat(name, [t.source for t in experts])
     except ValueError as e:
@@ -183,16 +193,17 @@ def quantization(name: str, shape: tuple[int, ...], fam: table.Family, scheme: t
 
 def quantized(t: OutputTensor, dtype: str, q: dict) -> list[OutputTensor]:
     """The weight ``t`` as MLX's tensors: packed words (U32), and scales and biases in ``dtype``
-    (``affine``) or E8M0 scale bytes (``mxfp4``)."""
-    if t.source.dtype not in FLOATS:
-        raise PlanError(f"{t.name} is {t.source.dtype}: MLX output quantizes F32, F16 or BF16 weights only")
+    (``affine``) or scale bytes (E8M0 for ``mxfp4`` and ``mxfp8``, E4M3 for ``nvfp4``)."""
+    read = t.source.dtype if t.transform is None else t.dtype  # a dequantized weight: its output's dtype
+    if read not in FLOATS:
+        raise PlanError(f"{t.name} is {read}: MLX output quantizes F32, F16 or BF16 weights only")
     group, bits, mode = q["group_size"], q["bits"], q.get("mode", "affine")
     module = t.name[: -len(".weight")]
     out = []
     for part in PARTS[mode]:
         shape = packed_shape(t.shape, bits) if part == "weight" else group_shape(t.shape, group)
-        kind = "U32" if part == "weight" else "U8" if mode == "mxfp4" else dtype
-        transform = MlxQuant(part, t.shape, dtype, group, bits, mode)
+        kind = "U32" if part == "weight" else dtype if mode == "affine" else "U8"
+        transform = MlxQuant(part, t.shape, dtype, group, bits, mode, inner=t.transform, computes=read)
         out.append(OutputTensor(f"{module}.{part}", t.source, kind, transform, shape))
     return out
 
@@ -205,6 +216,7 @@ def prepare(plan: Plan, outtype: str | None, group_size: int | None) -> tuple[Pl
     config = load_config(where)
     fam = family_of(config)
     default = held_dtype(config)
+    plan, ask = dequantized(plan, ask, default, config)
     scheme = ask.scheme
     quant = None if scheme is None else {"group_size": scheme.group, "bits": scheme.bits, "mode": scheme.mode}
     out, parameters = [], 0
@@ -226,6 +238,33 @@ def prepare(plan: Plan, outtype: str | None, group_size: int | None) -> tuple[Pl
     what = f"quantized {ask.scheme.mode} {ask.scheme.bits}-bit, groups of {ask.scheme.group}" if ask.scheme else ""
     summary = [*plan.summary, f"MLX {config['model_type']}{', ' + what if what else ''}, config from {where}"]
     return Plan(out, {"format": "mlx"}, source=plan.source, summary=summary, notices=plan.notices), prepared
+
+
+def dequantized(plan: Plan, ask: Choice, default: str | None, config: dict[str, Any]) -> tuple[Plan, Choice]:
+    """A quantized source (FP8, NVFP4, MXFP4: streamck.plan.quant.dequant) as ``--dtype D``
+    dequantizes it, D the dtype MLX is to hold it in (``--dtype``, else config.json's, else
+    bf16), every float then held in D: what ``mlx_lm.convert`` makes of streamck's ``--dtype D``
+    output. Its ``quantization_config`` leaves ``config``, whose ``torch_dtype`` (``dtype``) says
+    D, as that output's does. A plan the passes have dequantized
+    already (a ``--dtype`` cast beside an MLX scheme) is left as it is; an unquantized one too."""
+    if plan.source is None or quantized_kind(plan) is None:
+        return plan, ask
+    config.pop("quantization_config", None)
+    if any(_still_quantized(t) for t in plan.tensors):
+        dtype = ask.dtype or default or "BF16"
+        plan, ask = dequantize_plan(plan, dtype), Choice(dtype, ask.scheme)
+    else:  # the passes' own dequantization, to the --dtype beside the scheme
+        dtype = next((t.dtype for t in plan.tensors if isinstance(t.transform, DEQUANT)), None)
+    for key in ("torch_dtype", "dtype"):  # as --dtype's cast labels its config (streamck.plan.compile)
+        if dtype is not None and isinstance(config.get(key), str):
+            config[key] = TORCH_NAMES[dtype]
+    return plan, ask
+
+
+def _still_quantized(t: OutputTensor) -> bool:
+    """Whether ``t`` is a quantized source's weight or scale, as stored (not yet dequantized)."""
+    param = t.name.rpartition(".")[2]
+    return t.transform is None and (t.source.dtype.startswith("F8") or param in SCALE_NAMES or param == "weight_packed")
 
 
 def _held(t: OutputTensor, dtype: str | None) -> str:

@@ -64,8 +64,11 @@ SCHEMES: dict[str, Scheme] = {
     "mlx_q4": Scheme("affine", 64, 4),  # -q
     "mlx_q8": Scheme("affine", 64, 8),  # -q --q-bits 8
     "mlx_mxfp4": Scheme("mxfp4", 32, 4),  # -q --q-mode mxfp4
+    "mlx_nvfp4": Scheme("nvfp4", 16, 4),  # -q --q-mode nvfp4
+    "mlx_mxfp8": Scheme("mxfp8", 32, 8),  # -q --q-mode mxfp8
 }
-GROUPS = {"affine": (32, 64, 128), "mxfp4": (32,)}  # the group sizes mx.quantize takes in each mode
+# the group sizes mx.quantize takes in each mode
+GROUPS = {"affine": (32, 64, 128), "mxfp4": (32,), "nvfp4": (16,), "mxfp8": (32,)}
 
 # --dtype as mlx_lm.convert's (MODEL_CONVERSION_DTYPES) and config.json's torch_dtype spell them.
 DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
