@@ -208,7 +208,7 @@ def _report(args: argparse.Namespace, result, plan: Plan, options, seconds: floa
             wrote = f"part {k}/{n}: {shards} shards, {result.tensors} of {len(plan.tensors)} tensors, "
             wrote += f"{human(result.total_size)} of {human(plan.total_size)} to {args.output}"
         moved = f"{human(result.shared)} shared with the source, {human(result.copied)} copied"
-        done = f"{_work(plan)}{', verified' if options.verify else ''}"
+        done = f"{_work(result.plan or plan)}{', verified' if options.verify else ''}"
         print(f"{wrote} in {seconds:.1f} s ({moved}): {done}", file=sys.stderr)
 
 

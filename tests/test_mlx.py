@@ -346,3 +346,12 @@ def test_quantized_source_it_cannot_dequantize(tmp_path, world):
     proc = _cli("rewrite", str(src), "-o", str(tmp_path / "out"), "--format", "mlx", "--quantize", "MLX_Q4")
     assert proc.returncode == 2 and "dequantizing pack-quantized is not supported" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_closing_line_says_what_the_format_did(world, tmp_path):
+    """The closing line counts the tensors as the format wrote them (quantized), not the plan it was given."""
+    proc = _cli("rewrite", str(world["models"]["llama"]), "-o", str(tmp_path / "out"), "--format", "mlx",
+                "--quantize", "MLX_Q4")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "computed (MLX affine 4-bit weight)" in last and "computed (MLX affine 4-bit scales)" in last, last

@@ -34,6 +34,7 @@ class WriteResult:
     overflow: dict[str, int] = field(default_factory=dict)
     shared: int = 0
     tensors: int = 0  # written by this run: a --part's share, else the plan's every tensor
+    plan: Plan | None = None  # as the format wrote it (GGUF's, MLX's names, types and transforms)
 
     @property
     def copied(self) -> int:
@@ -99,7 +100,8 @@ def write_plan(plan: Plan, out: str | os.PathLike, options: WriteOptions | None 
         workers.close()
         bar.close()
     tensors = [t for s in mine for t in s.tensors]
-    return WriteResult(dest.files(), sum(t.nbytes for t in tensors), workers.overflow, workers.shared, len(tensors))
+    size = sum(t.nbytes for t in tensors)
+    return WriteResult(dest.files(), size, workers.overflow, workers.shared, len(tensors), plan)
 
 
 def _check(plan: Plan, fmt: Format, single: bool, target: Path | UrlPath | str, options: WriteOptions) -> None:
