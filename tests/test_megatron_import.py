@@ -1,7 +1,8 @@
 """``streamck rewrite HF -o RUN --format megatron`` (issue #52): a Hugging Face GPT as the run root
 Megatron-LM loads. Right means Megatron's own load: megatron-core's ``dist_checkpointing.load``
 (every key the model asks for there) into the model Megatron-LM's builder makes, at TP=1/PP=1 and
-at TP=2 x PP=2 on 4 gloo ranks, gives transformers' logits; Megatron-LM's training loop takes a step
+at TP=2 x PP=2 on 4 gloo ranks, gives transformers' logits (MHA and MQA too, a padded vocabulary
+other than the run's, a BF16 run); Megatron-LM's training loop takes a step
 from ``--load RUN --finetune``; and streamck's own ``--plan megatron-gpt`` read of RUN gives the
 Hugging Face tensors back bit for bit. One torchrun launch for every model and layout
 (tests/megatron_import_child.py); the models are transformers' own (tests/megatron_import_models.py).
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import MEGATRON, REPO, cli
-from megatron_import_models import LAYOUTS, MODELS, build, flags, logits
+from megatron_import_models import MODELS, RUNS, build, flags, logits, padded
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -25,28 +26,29 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 FORMAT = ("--format", "megatron")
 STEP = "iter_0000000"
-DENSE = ((1, 1, 1), (2, 2, 1))  # (TP, PP, EP) a dense model is loaded at; LAYOUTS names the MoE model's
 TRAINED = "llama"  # the model Megatron-LM's training loop takes a step from
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Each of MODELS saved by transformers, then written by one streamck command into ``<name>-run``."""
+    """Each of MODELS saved by transformers; each of RUNS written by one streamck command into ``<name>-run``."""
     root = tmp_path_factory.mktemp("hf")
     for name in MODELS:
         build(name, root / name)
-        cli("rewrite", root / name, "-o", root / f"{name}-run", *FORMAT, "-q", check=0)
+    for name, (model, args, _) in RUNS.items():
+        cli("rewrite", root / model, "-o", root / f"{name}-run", *FORMAT, *args, "-q", check=0)
     return {name: root / name for name in MODELS}
 
 
 @pytest.fixture(scope="module")
 def megatron(models, tmp_path_factory) -> Path:
-    """The one torchrun launch: every model loaded at every layout, and the training step."""
+    """The one torchrun launch: every run loaded at every layout of it, and the training step."""
     if not Path(MEGATRON, "megatron", "core").is_dir():
         pytest.skip(f"megatron-core 0.19.2 is not unpacked at {MEGATRON} (scripts/test does it)")
     out = tmp_path_factory.mktemp("megatron")
-    jobs = [{"name": n, "run": str(p.parent / f"{n}-run"), "flags": flags(n), "train": n == TRAINED,
-             "layouts": LAYOUTS.get(n, DENSE)} for n, p in models.items()]  # fmt: skip
+    root = models[TRAINED].parent
+    jobs = [{"name": n, "run": str(root / f"{n}-run"), "flags": flags(model), "train": n == TRAINED,
+             "layouts": layouts} for n, (model, _, layouts) in RUNS.items()]  # fmt: skip
     (out / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": MEGATRON}
     ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
@@ -74,17 +76,25 @@ def _id(layout: tuple[int, int, int]) -> str:
 
 @pytest.mark.parametrize(
     ("name", "layout"),
-    [pytest.param(n, lay, id=f"{n}-{_id(lay)}") for n in MODELS for lay in LAYOUTS.get(n, DENSE)],
+    [pytest.param(n, lay, id=f"{n}-{_id(lay)}") for n, (_, _, layouts) in RUNS.items() for lay in layouts],
 )
 def test_megatron_loads_it_and_gives_the_hf_logits(models, megatron, name, layout):
     """megatron-core's load into Megatron-LM's own model at the layout (TP, PP, EP): transformers'
-    logits (fp32, 1e-5 of their largest), and the padded vocabulary's logits exactly 0 (zero rows)."""
+    logits (fp32, 1e-5 of their largest), and the padded vocabulary's logits exactly 0 (zero rows).
+    A BF16 run (Megatron's fp32 model holding its BF16 values) against transformers' fp32 forward of
+    the weights torch rounds to BF16: the same weights, so the same tolerance as fp32; the BF16
+    rounding itself moves these logits by ~4e-3 of their largest, 400 times that, and the test
+    checks they are not the unrounded model's."""
+    model, args, _ = RUNS[name]
     saved = torch.load(megatron / f"{name}-{_id(layout)}.pt")
-    vocab = MODELS[name][1]["vocab_size"]
-    want = logits(models[name], saved["tokens"])
+    vocab = MODELS[model][1]["vocab_size"]
+    want = logits(models[model], saved["tokens"], bf16="bf16" in args)
     got = saved["logits"]
-    assert got.shape[-1] == 256 and not got[..., vocab:].any()
-    torch.testing.assert_close(got[..., :vocab], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert got.shape[-1] == padded(vocab, layout[0]) and not got[..., vocab:].any()
+    tolerance = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
+    torch.testing.assert_close(got[..., :vocab], want, **tolerance)
+    if "bf16" in args:
+        assert not torch.allclose(got[..., :vocab], logits(models[model], saved["tokens"]), **tolerance)
 
 
 def test_a_training_step_runs_from_it(models, megatron):
