@@ -106,9 +106,15 @@ CONFIGS["llama2"] = {**CONFIGS["llama"], "vocab_size": 1000, "rope_theta": 10000
                      "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 CONFIGS["mistral"] = {**CONFIGS["llama2"], "architectures": ["MistralForCausalLM"], "model_type": "mistral",
                       "sliding_window": None}  # fmt: skip
+# Llama 3.2 1B's RoPE (head_dim 64, llama3 scaling with its factors): the reference adds rope_freqs.weight.
+CONFIGS["llama31"] = {**CONFIGS["llama"], "head_dim": 64, "max_position_embeddings": 131072,
+                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192}}  # fmt: skip
 SENTENCEPIECE = ("llama2", "mistral")  # kinds whose tokenizer is a tokenizer.model (make_sentencepiece)
 VOCABS = {
     "llama": ("ggml-vocab-llama-bpe.gguf", "llama-bpe"),
+    "llama31": ("ggml-vocab-llama-bpe.gguf", "llama-bpe"),
     "qwen3": ("ggml-vocab-qwen2.gguf", "qwen2"),
     "qwen3moe": ("ggml-vocab-qwen2.gguf", "qwen2"),
     "mixtral": ("ggml-vocab-llama-bpe.gguf", "llama-bpe"),

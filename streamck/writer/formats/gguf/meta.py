@@ -22,6 +22,7 @@ import gguf
 from streamck.errors import PlanError
 from streamck.writer.formats.gguf import spm, table
 from streamck.writer.formats.gguf.compat import SpecialVocab, load_metadata
+from streamck.writer.formats.gguf.rope import is_llama3
 
 
 def find(hparams: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -64,7 +65,8 @@ def rope_parameters(hparams: dict[str, Any]) -> dict[str, Any]:
 
 def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, Any], ftype: int) -> None:
     """``TextModel.set_gguf_parameters``, then the family's own keys (the config checked first
-    by ``check_parameters``)."""
+    by ``check_parameters``). Llama 3's RoPE scaling writes no key: it is the ``rope_freqs``
+    tensor (streamck.writer.formats.gguf.rope)."""
     w.add_block_count(find(hparams, table.BLOCK_COUNT))
     for method, keys in table.PARAMS:
         if (value := find(hparams, keys)) is not None:
@@ -73,7 +75,7 @@ def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, 
         w.add_causal_attention(False)
     rope = rope_parameters(hparams)
     params = rope.get("full_attention", rope)
-    if params.get("rope_type") not in (None, "default"):
+    if params.get("rope_type") not in (None, "default") and not (family.rope_freqs and is_llama3(params)):
         raise PlanError(f"RoPE type {params['rope_type']!r}: GGUF output does not write it yet")
     if (theta := params.get("rope_theta")) is not None:
         w.add_rope_freq_base(theta)

@@ -6,6 +6,7 @@ Per tensor, as the reference's ``ModelBase.prepare_tensors`` decides: its GGUF n
 k_proj, ``LlamaModel.permute``: a row selection over the source's own bytes,
 streamck.source.select), and its type: F32 for 1-D tensors, norms and biases, else the file's
 type (``--outtype``), Q8_0 through streamck.transforms.q8_0 (F16 where a row is not whole blocks).
+Tensors the reference computes from the config (Llama 3's ``rope_freqs``) come first, as it writes them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from streamck.errors import PlanError
 from streamck.plan import OutputTensor, Plan
 from streamck.source.select import Rows, select
 from streamck.transforms.q8_0 import BLOCK, Q8_0, q8_0_shape
-from streamck.writer.formats.gguf import meta, table
+from streamck.writer.formats.gguf import meta, rope, table
 from streamck.writer.formats.gguf.experts import Stacker
 
 FLOATS = ("F64", "F32", "F16", "BF16")
@@ -102,9 +103,20 @@ def prepare(plan: Plan, outtype: str = "auto") -> tuple[Plan, Prepared]:
             out.append(_output(s, name, _rows(s, family, hparams), ftype))
     if stacker:
         stacker.finish()
+    out = [*_generated(family, hparams, where), *out]  # generate_extra_tensors's come first
     summary = [*plan.summary, f"GGUF {gguf.MODEL_ARCH_NAMES[arch]}, {ftype.name}, keys from {where}"]
     gguf_plan = Plan(out, {}, source=plan.source, summary=summary, notices=plan.notices)
     return gguf_plan, Prepared(family, hparams, where, ftype)
+
+
+def _generated(family: table.Family, hparams: dict[str, Any], where: Path) -> list[OutputTensor]:
+    """The tensors the reference computes from the config (``generate_extra_tensors``): Llama 3's
+    ``rope_freqs.weight`` where its RoPE type is ``llama3``, else none."""
+    params = meta.rope_parameters(hparams)
+    params = params.get("full_attention", params)
+    if family.rope_freqs and rope.is_llama3(params):
+        return [rope.tensor(params, hparams, where / "config.json")]
+    return []
 
 
 def _stacker(family: table.Family, hparams: dict[str, Any]) -> Stacker | None:

@@ -3,7 +3,8 @@ its tensors are rewritten, and which ``config.json`` values become which GGUF ke
 
 Every row restates what llama.cpp's ``convert_hf_to_gguf.py`` (as vendored by llama-cpp-python
 0.3.36: ``conversion/base.py`` ``TextModel``, ``conversion/llama.py`` ``LlamaModel`` (Mistral and
-Mixtral too), ``conversion/qwen.py`` ``Qwen3Model`` and ``Qwen3MoeModel``) does for that family;
+Mixtral too; its ``rope_freqs`` tensor in streamck.writer.formats.gguf.rope), ``conversion/qwen.py``
+``Qwen3Model`` and ``Qwen3MoeModel``) does for that family;
 the names of the GGUF keys and tensors are gguf-py's (``gguf.Keys``, ``TensorNameMap``), looked up
 by the writer method or ``MODEL_ARCH`` member named here, never retyped.
 """
@@ -22,7 +23,9 @@ class Family:
     generic parameters (``LlamaModel.set_gguf_parameters``); ``sentencepiece`` whether its
     ``set_vocab`` reads a ``tokenizer.model`` first, where there is one; ``experts`` is its MoE layout
     (None: a dense model); ``params`` the keys its own ``set_gguf_parameters`` adds after the
-    generic ones, as PARAMS's rows."""
+    generic ones, as PARAMS's rows; ``rope_freqs`` whether Llama 3's RoPE scaling (``rope_type``
+    ``llama3``) becomes the ``rope_freqs`` tensor (``LlamaModel.generate_extra_tensors``;
+    streamck.writer.formats.gguf.rope), else it is refused."""
 
     arch: str
     permute_qk: bool
@@ -31,6 +34,7 @@ class Family:
     experts: Experts | None = None
     params: tuple[tuple[str, tuple[str, ...]], ...] = ()
     sentencepiece: bool = False
+    rope_freqs: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,12 @@ class Experts:
 
 # Hugging Face ``architectures[0]`` -> its family. Others are refused by name.
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family("LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True, sentencepiece=True),
-    "MistralForCausalLM": Family("LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True, sentencepiece=True),
+    "LlamaForCausalLM": Family(
+        "LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True, sentencepiece=True, rope_freqs=True
+    ),
+    "MistralForCausalLM": Family(
+        "LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True, sentencepiece=True, rope_freqs=True
+    ),
     "Qwen3ForCausalLM": Family(
         "QWEN3", permute_qk=False, vocab_size_key=False, rope_dims_key=False, sentencepiece=True
     ),
@@ -62,7 +70,7 @@ FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(
         "LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True,
         experts=Experts("block_sparse_moe", ("w1", "w2", "w3"), "layers.{bid}.feed_forward.experts.{proj}.weight"),
-        sentencepiece=True,
+        sentencepiece=True, rope_freqs=True,
     ),
 }  # fmt: skip
 
