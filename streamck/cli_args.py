@@ -70,8 +70,9 @@ def _source_options(parser: argparse.ArgumentParser, diff: bool = False) -> None
     group.add_argument(
         "--hf-config",
         metavar="FILE",
-        help=f"with --plan {' or '.join(_plans('hf_config'))}: the model's Hugging Face config.json (its sizes; "
-        "written beside the weights), over a config.json beside the step",
+        help=f"with --plan {' or '.join(_plans('hf_config'))}: the model's Hugging Face config.json, or its "
+        "folder (its sizes; written beside the weights; GGUF and MLX output take the folder's tokenizer), over a "
+        "config.json beside the step",
     )
     group.add_argument(
         "--verifier", metavar="ORG/NAME", help="with --plan eagle3-speculators: the target model it drafts for"

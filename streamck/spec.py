@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -109,6 +109,9 @@ class SourceSpec:
         extra = {"verifier": self.verifier, "aux_layer_ids": self.aux_layer_ids, "hf_config": self.hf_config}
         plan = BUILTIN_PLANS[name](path, rules, **{k: v for k, v in extra.items() if v is not None})
         plan.notices[:0] = picked
+        if self.hf_config is not None and plan.source is not None:  # its tokenizer's folder (GGUF, MLX output)
+            given = location(self.hf_config)
+            plan.source = replace(plan.source, side_root=given if given.is_dir() else given.parent)
         return plan
 
     def _check_plan_options(self) -> None:

@@ -1,7 +1,6 @@
 """GGUF output from a training checkpoint (#50 item 1): a PyTorch DCP save (what FSDP2's
 ``dcp.save`` writes) with the model's config and tokenizer beside it gives the reference's file
-of the same weights; a built-in plan's export (torchtitan, with ``hf_config``) is refused in one
-line saying what to do instead; --hf-config without such a plan is refused as before."""
+of the same weights. A built-in plan's export (torchtitan, with ``hf_config``): tests/test_plan_to_gguf.py."""
 
 from __future__ import annotations
 
@@ -54,33 +53,3 @@ def test_a_dcp_save_without_its_config_is_refused_in_one_line(qwen3, tmp_path):
     proc = cli("rewrite", step, "-o", tmp_path / "out.gguf", check=2)
     assert "GGUF output needs the model's config.json and tokenizer beside the weights" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.gguf").exists()
-
-
-def test_a_torchtitan_export_is_refused_in_one_line(qwen3, tmp_path):
-    """A torchtitan step (the tiny Qwen3 under torchtitan 0.3's names) with ``--plan torchtitan
-    --hf-config``: the plan writes its own config.json, which GGUF output does not read yet; the
-    line says what to do (export the folder, then convert it)."""
-    from helpers import cli
-    from safetensors.torch import load_file
-
-    from streamck.plan.torchtitan.layout import LAYER, QK_NORM, TOP
-
-    hf = load_file(qwen3 / "model.safetensors")
-    rows = [*TOP, *(r.at(i=i) for i in range(2) for r in (*LAYER, *QK_NORM))]
-    step = _dcp({r.src: hf[r.out] for r in rows}, tmp_path / "checkpoint" / "step-1")
-    args = (
-        "rewrite",
-        step,
-        "-o",
-        tmp_path / "out.gguf",
-        "-q",
-        "--plan",
-        "torchtitan",
-        "--hf-config",
-        qwen3 / "config.json",
-    )
-    proc = cli(*args, check=2)
-    assert "not yet from a built-in --plan's export: write that first (-o DIR)" in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("streamck: error:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr and not (tmp_path / "out.gguf").exists()
-    cli(*args[:3], tmp_path / "hf", *args[4:], check=0)  # the plan itself takes the step: the refusal is GGUF's

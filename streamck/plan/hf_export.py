@@ -42,9 +42,12 @@ FLOATS = frozenset({"F32", "BF16", "F16"})
 
 
 def find_config(step: Path, given: str | Path | None, plan: str) -> Path:
-    """``given`` (``--hf-config``), else a ``config.json`` in the step folder or beside it."""
+    """``given`` (``--hf-config``: the file, or the model's folder holding it), else a
+    ``config.json`` in the step folder or beside it."""
     if given is not None:
         path = location(given)
+        if path.is_dir():  # the model's Hugging Face folder (GGUF and MLX output take its tokenizer too)
+            path = path / "config.json"
         if not path.is_file():
             raise PlanError("{hf_config}: no such file", path)
         return path

@@ -166,7 +166,7 @@ def select(ref: TensorRef, rows: Rows | None = None, *, index: int | None = None
     the leading axis of a stacked tensor, ``rows`` rows of the (next) first axis (all by
     default). Raises ValueError for an index or rows outside the tensor."""
     name = name or ref.name
-    if ref.parts is not None:
+    if ref.parts is not None and (index is not None or rows is None):
         raise ValueError(f"{ref.name}: rows of a gathered tensor are not selected again")
     if index is not None:
         if not ref.shape or not 0 <= index < ref.shape[0]:
@@ -177,6 +177,8 @@ def select(ref: TensorRef, rows: Rows | None = None, *, index: int | None = None
     first, stop = rows.bounds
     if not ref.shape or first < 0 or stop > ref.shape[0]:
         raise ValueError(f"{ref.name}: rows [{first}, {stop}) outside its {ref.shape[:1]}")
+    if ref.parts is not None:  # a permutation of a permutation (GGUF's q/k rows of torchtitan's)
+        return _reselect(ref, rows, name)
     if rows.is_span:
         return _clip(ref, name, first, stop, False)
     block = _block_of(ref, name, first, stop)
@@ -185,6 +187,60 @@ def select(ref: TensorRef, rows: Rows | None = None, *, index: int | None = None
     if ref.strides is not None:
         return _view(ref, name, rows)
     return concat(name, [select(ref, g, name=name) for g in rows.groups()])
+
+
+def _reselect(ref: TensorRef, rows: Rows, name: str) -> TensorRef:
+    """``rows`` of a gathered tensor (each part its next rows): taken from the part that holds
+    them where it does and they are again a grid over its bytes, else group by group (a single
+    row always is), so a permutation of a permutation reads as few views as it can."""
+    rest, spans, at = len(ref.shape) - 1, [], 0
+    for part in ref.parts or ():
+        n = math.prod(part.shape[: len(part.shape) - rest])
+        spans.append((at, at + n, part))
+        at += n
+
+    def pick(r: Rows) -> list[TensorRef]:
+        first, stop = r.bounds
+        lo, _, part = next((s for s in spans if s[0] <= first and stop <= s[1]), (0, 0, None))
+        got = None if part is None else _from_part(part, r._replace(start=r.start - lo), rest, name)
+        return [got] if got is not None else [x for g in r.groups() for x in pick(g)]
+
+    return concat(name, pick(rows))
+
+
+def _from_part(part: TensorRef, rows: Rows, rest: int, name: str) -> TensorRef | None:
+    """``rows`` of one part of a gathered tensor: a plain or blocked part's through select, a
+    strided view's composed into one view of the same bytes (a plain range where that is one);
+    None where they are no grid over the view's bytes."""
+    lead = len(part.shape) - rest
+    if part.strides is None:
+        return select(part, rows, name=name)  # a plain or blocked part: its rows are its first axis's
+    counts, steps = part.shape[:lead], part.strides[:lead]
+
+    def offset(row: int) -> int:  # the row's place in the part's bytes, in elements
+        at = 0
+        for count, step in zip(reversed(counts), reversed(steps), strict=True):
+            row, i = divmod(row, count)
+            at += i * step
+        return at
+
+    base = offset(rows.start)
+    grid = tuple(offset(rows.start + s) - base for s in rows.steps)
+    if any(g < 0 for g in grid):
+        return None
+    for flat in range(rows.count):  # every row checked: a permutation of a view is not always a grid
+        at, row, left = base, rows.start, flat
+        for count, step, g in zip(reversed(rows.counts), reversed(rows.steps), reversed(grid), strict=True):
+            left, i = divmod(left, count)
+            row, at = row + i * step, at + i * g
+        if offset(row) != at:
+            return None
+    shape, inner = (*rows.counts, *part.shape[lead:]), part.strides[lead:]
+    start = part.start + base * _item(part)
+    if (*grid, *inner) == _contiguous_strides(shape):  # the permutations undo each other
+        return _with(part, name, (rows.count, *part.shape[lead:]), start=start)
+    view = _with(part, name, shape, start=start, strides=(*grid, *inner))
+    return _with(view, name, (rows.count, *part.shape[lead:]), strides=None, parts=(view,))
 
 
 def concat(name: str, refs: Sequence[TensorRef]) -> TensorRef:

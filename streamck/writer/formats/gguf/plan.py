@@ -22,6 +22,7 @@ from streamck.errors import PlanError
 from streamck.plan import OutputTensor, Plan
 from streamck.source.select import Rows, select
 from streamck.transforms.q8_0 import BLOCK, Q8_0, q8_0_shape
+from streamck.writer.formats import sidecar
 from streamck.writer.formats.gguf import meta, rope, table
 from streamck.writer.formats.gguf.experts import Stacker
 
@@ -40,15 +41,12 @@ class Prepared:
 
 
 def model_dir(plan: Plan) -> Path:
-    """The folder holding the model's config.json and tokenizer: where the plan's side files
-    come from, else the source's. A PlanError where it has no config.json, or where a built-in
-    plan writes its own config.json (a trainer's step exported: config from {hf_config})."""
-    if isinstance(plan.files.get("config.json"), bytes):
-        raise PlanError(
-            "GGUF output reads the config and tokenizer from a Hugging Face folder, not yet from a built-in "
-            "{plan}'s export: write that first (-o DIR), put the tokenizer beside its config.json, then "
-            "rewrite DIR to .gguf"
-        )
+    """The folder holding the model's config.json and tokenizer: for a built-in plan's export
+    (a trainer's step), the folder of its own config.json and the tokenizer's files
+    (streamck.writer.formats.sidecar); else where the plan's side files come from, else the
+    source's. A PlanError where it has no config.json or no tokenizer."""
+    if sidecar.exported_config(plan) is not None:
+        return sidecar.model_folder(plan, "GGUF")[1]
     where = next(
         (p.parent for n in ("config.json", "tokenizer.json") if isinstance(p := plan.side_files.get(n), Path)), None
     )
@@ -104,7 +102,7 @@ def prepare(plan: Plan, outtype: str = "auto") -> tuple[Plan, Prepared]:
     if stacker:
         stacker.finish()
     out = [*_generated(family, hparams, where), *out]  # generate_extra_tensors's come first
-    summary = [*plan.summary, f"GGUF {gguf.MODEL_ARCH_NAMES[arch]}, {ftype.name}, keys from {where}"]
+    summary = [*plan.summary, f"GGUF {gguf.MODEL_ARCH_NAMES[arch]}, {ftype.name}, keys from {sidecar.describe(where)}"]
     gguf_plan = Plan(out, {}, source=plan.source, summary=summary, notices=plan.notices)
     return gguf_plan, Prepared(family, hparams, where, ftype)
 
@@ -149,7 +147,10 @@ def _output(t: OutputTensor, name: str, rows: Rows | None, ftype: gguf.LlamaFile
         raise PlanError(f"{t.name} is computed ({t.transform.label}): GGUF output reads stored tensors only, yet")
     if t.source.dtype not in FLOATS:
         raise PlanError(f"{t.name} is {t.source.dtype}: GGUF output converts float tensors only")
-    source = t.source if rows is None else select(t.source, rows)
+    try:
+        source = t.source if rows is None else select(t.source, rows)
+    except ValueError as e:  # rows a plan gathered that the reference's order cannot be read from
+        raise PlanError(str(e)) from None
     qtype = _qtype(name, t.shape, ftype)
     if qtype == "Q8_0":
         return OutputTensor(name, source, "U8", Q8_0(t.shape), q8_0_shape(t.shape))

@@ -27,6 +27,7 @@ from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_
 from streamck.source.select import concat
 from streamck.transforms.dequantize import Fp4Dequant, Fp8Dequant
 from streamck.transforms.mlx_quant import PARTS, MlxQuant, MlxStack, group_shape, packed_shape
+from streamck.writer.formats import sidecar
 from streamck.writer.formats.mlx import table
 
 FLOATS = ("F32", "F16", "BF16")
@@ -81,7 +82,11 @@ def choice(outtype: str | None, group_size: int | None) -> Choice:
 
 
 def model_dir(plan: Plan) -> Path:
-    """The folder holding the model's config.json: where the plan's side files come from, else the source's."""
+    """The folder holding the model's config.json: for a built-in plan's export (a trainer's
+    step), the folder of its own config.json and the tokenizer's files
+    (streamck.writer.formats.sidecar); else where the plan's side files come from, else the source's."""
+    if sidecar.exported_config(plan) is not None:
+        return sidecar.model_folder(plan, "MLX")[1]
     config = plan.side_files.get("config.json")
     where = config.parent if isinstance(config, Path) else None
     if where is None and plan.source is not None:
@@ -236,7 +241,8 @@ def prepare(plan: Plan, outtype: str | None, group_size: int | None) -> tuple[Pl
     out.sort(key=lambda t: order_key(t.name, fam))
     prepared = Prepared(where, saved_config(config, quant), parameters, side_files(where))
     what = f"quantized {ask.scheme.mode} {ask.scheme.bits}-bit, groups of {ask.scheme.group}" if ask.scheme else ""
-    summary = [*plan.summary, f"MLX {config['model_type']}{', ' + what if what else ''}, config from {where}"]
+    head = f"MLX {config['model_type']}{', ' + what if what else ''}"
+    summary = [*plan.summary, f"{head}, config from {sidecar.describe(where)}"]
     return Plan(out, {"format": "mlx"}, source=plan.source, summary=summary, notices=plan.notices), prepared
 
 
