@@ -240,7 +240,8 @@ class MlxQuant:
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """The part's bytes, a band of whole rows at a time."""
-        key = (target.source, self.dtype, self.group, self.bits, self.mode)
+        # The inner transform is in the key: gpt-oss's gate and up are two halves of one source tensor.
+        key = (target.source, self.dtype, self.group, self.bits, self.mode, self.inner)
         stash = space.get(_STASH)
         if self.part != "weight" and stash is not None and stash[0] == key:
             yield from (memoryview(b) for b in stash[1][self.part])

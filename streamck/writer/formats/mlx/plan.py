@@ -28,7 +28,7 @@ from streamck.source.select import concat
 from streamck.transforms.dequantize import Fp4Dequant, Fp8Dequant
 from streamck.transforms.mlx_quant import PARTS, MlxQuant, MlxStack, group_shape, packed_shape
 from streamck.writer.formats import sidecar
-from streamck.writer.formats.mlx import table
+from streamck.writer.formats.mlx import gptoss, table
 
 FLOATS = ("F32", "F16", "BF16")
 # What mx.load reads and mlx-lm holds (a quantized source's F8 weights are dequantized first: dequantized()).
@@ -139,6 +139,8 @@ def sanitized(plan: Plan, fam: table.Family, config: dict[str, Any]) -> list[Out
         if any(d in t.name for d in fam.dropped) or (tied and t.name == "lm_head.weight"):
             continue
         out.append(t)
+    if fam.fused:  # gpt-oss: its fused experts split as its own sanitize splits them
+        return gptoss.sanitized(out, config)
     return stack_experts(out, fam, config) if fam.block else out
 
 
@@ -221,18 +223,21 @@ def prepare(plan: Plan, outtype: str | None, group_size: int | None) -> tuple[Pl
     config = load_config(where)
     fam = family_of(config)
     default = held_dtype(config)
-    plan, ask = dequantized(plan, ask, default, config)
+    native = gptoss.native_quantization(plan, config) if fam.fused else None  # gpt-oss's MXFP4 stays packed
+    if native is None:
+        plan, ask = dequantized(plan, ask, default, config)
     scheme = ask.scheme
     quant = None if scheme is None else {"group_size": scheme.group, "bits": scheme.bits, "mode": scheme.mode}
+    quant = native or quant
     out, parameters = [], 0
     for t in sanitized(plan, fam, config):
         dtype = _held(t, ask.dtype or (None if t.is_cast else default))
-        parameters += math.prod(t.shape)
+        parameters += gptoss.parameters(t) if fam.fused else math.prod(t.shape)
         q = None if ask.scheme is None or dtype not in FLOATS else quantization(t.name, t.shape, fam, ask.scheme)
         if q is None:
-            out.append(t if dtype == t.dtype else OutputTensor(t.name, t.source, dtype))
+            out.append(t if dtype == t.dtype else OutputTensor(t.name, t.source, dtype, t.transform, t.out_shape))
             continue
-        if q.pop("override", False):
+        if q.pop("override", False) or native:  # a quantized source's config names each module quantized
             quant[t.name[: -len(".weight")]] = dict(q)
         out += quantized(t, dtype, q)
     if ask.scheme is not None and not any(isinstance(t.transform, MlxQuant) for t in out):
@@ -279,6 +284,7 @@ def _held(t: OutputTensor, dtype: str | None) -> str:
 
 
 _SECTIONS = (("model.embed_tokens.", 0), ("model.layers.", 1), ("model.norm.", 2), ("lm_head.", 3))
+_NORM_FIRST = (("model.embed_tokens.", 0), ("model.norm.", 0.5), ("model.layers.", 1), ("lm_head.", 3))
 _LEAVES = {"weight": 0, "scales": 1, "biases": 2, "bias": 3}
 
 
@@ -287,7 +293,8 @@ def order_key(name: str, fam: table.Family) -> tuple:
     order (each module in the family's order; weight, scales, biases, bias), the norm, lm_head;
     a name the table does not place comes after, in name order."""
     module, _, leaf = name.rpartition(".")
-    section = next((rank for prefix, rank in _SECTIONS if name.startswith(prefix)), None)
+    sections = _NORM_FIRST if fam.norm_first else _SECTIONS
+    section = next((rank for prefix, rank in sections if name.startswith(prefix)), None)
     if section is None:
         return (9, 0, 0, name)
     if section != 1:

@@ -24,13 +24,18 @@ class Family:
     ``block_sparse_moe``) whose ``experts.<e>.<disk>.weight`` are stacked into
     ``switch_mlp.<name>.weight`` by ``stacks`` (disk name, switch_mlp name); ``predicate`` maps
     a module's name ending to the quantization its ``quant_predicate`` gives it instead of the
-    scheme's; ``layer`` is a decoder layer's modules in parameter order (dense ones and MoE ones)."""
+    scheme's; ``layer`` is a decoder layer's modules in parameter order (dense ones and MoE ones);
+    ``fused``: its experts are stored fused and split as its sanitize splits them
+    (streamck.writer.formats.mlx.gptoss); ``norm_first``: ``model.norm`` comes before the layers
+    in parameter order (its model sets it first)."""
 
     dropped: tuple[str, ...] = ()
     block: str = ""
     stacks: tuple[tuple[str, str], ...] = ()
     predicate: tuple[tuple[str, dict], ...] = ()
     layer: tuple[str, ...] = (*_ATTN, *_MLP, *_NORMS)
+    fused: bool = False
+    norm_first: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -46,6 +51,12 @@ FAMILIES: dict[str, Family] = {
         block="block_sparse_moe",
         stacks=(("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")),
         layer=(*_ATTN, "block_sparse_moe.gate", *(f"block_sparse_moe.switch_mlp.{p}" for p in _SWITCH), *_NORMS),
+    ),
+    "gpt_oss": Family(  # self_attn's own parameter (sinks) first, the experts in SwitchGLU's order
+        predicate=(("mlp.router", {"group_size": 64, "bits": 8}),),
+        layer=("self_attn", *_ATTN, *(f"mlp.experts.{p}" for p in _SWITCH), "mlp.router", *_NORMS),
+        fused=True,
+        norm_first=True,
     ),
 }
 
