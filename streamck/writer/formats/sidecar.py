@@ -12,18 +12,16 @@ for ``config.json``). So one command writes what two would: ``-o DIR`` with the 
 tokenizer copied beside, then ``streamck rewrite DIR -o model.gguf`` (or ``--format mlx``);
 the folder's name is the tokenizer folder's, as the reference names a model after its folder.
 
-The folder holds the config and links to the files (a few KiB), under one temporary folder per
-process, removed when the process exits.
+The folder holds copies of the config and the files (the tokenizer's: a few MiB), under one
+temporary folder per process, removed when the process exits.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from streamck.errors import PlanError
 from streamck.plan import Plan
@@ -54,27 +52,23 @@ def exported_config(plan: Plan) -> bytes | None:
     return body if isinstance(body, bytes) else None
 
 
-def model_folder(plan: Plan, output: str) -> tuple[dict[str, Any], Path]:
-    """The config a built-in plan writes, parsed, and a folder holding it as ``config.json`` with
-    the tokenizer's files beside (see the module). ``output`` names the format in messages
-    (``"GGUF"``). PlanError where the plan writes no config of its own, or no tokenizer is found."""
-    body = exported_config(plan)
-    if body is None:
-        raise PlanError(f"{output} output: this plan writes no config.json of its own")
-    config = json.loads(body)
+def model_folder(plan: Plan, output: str) -> Path:
+    """A folder holding the config a built-in plan writes (``exported_config``: not None) as
+    ``config.json``, with the tokenizer's files beside (see the module). ``output`` names the
+    format in messages (``"GGUF"``). PlanError where no tokenizer is found."""
     files: dict[str, Path | bytes] = {**plan.side_files, **plan.files}
-    own = next((p for n in TOKENIZERS if isinstance(p := files.get(n), Path)), None)  # verl's huggingface/
+    # verl's huggingface/ (a local path or a URL's)
+    own = next((p for n in TOKENIZERS if (p := files.get(n)) is not None and not isinstance(p, bytes)), None)
     name = own.parent.name if own is not None else "model"
     origin = f"the plan's config.json and the tokenizer in {own.parent}" if own is not None else ""
     if not any(n in files for n in TOKENIZERS):
-        where = tokenizer_folder(plan, output)
+        where, found = tokenizer_folder(plan, output)
         name = where.name or name
-        found = side_files(where)
         files |= {n: p for n, p in found.items() if n in TOKENIZER_FILES and n not in files}
         origin = f"the plan's config.json and the tokenizer in {where}"
     folder = _made(name, files)
     _MADE[folder] = origin or "the plan's config.json and side files"
-    return config, folder
+    return folder
 
 
 def describe(folder: Path) -> str:
@@ -83,34 +77,45 @@ def describe(folder: Path) -> str:
     return _MADE.get(folder, str(folder))
 
 
-def tokenizer_folder(plan: Plan, output: str) -> Path:
+def tokenizer_folder(plan: Plan, output: str) -> tuple[Path, dict[str, Path]]:
     """The first of the source's side root, its root and the folder above that holds a
-    tokenizer; PlanError naming where it looked where none does."""
+    tokenizer, and its side files (streamck.source.layout.side_files: a link out of the folder
+    is not followed); PlanError naming where it looked, and the links it left, where none does."""
     looked: list[Path] = []
+    linked: list[str] = []
     src = plan.source
     for where in (src.side_root, src.root, src.root.parent) if src is not None else ():
-        if where is not None and where not in looked:
+        if where is not None and where not in looked and where.is_dir():
             looked.append(where)
-            if any((where / n).is_file() for n in TOKENIZERS):
-                return where
+            out: list[str] = []
+            found = side_files(where, out)
+            if any(n in found for n in TOKENIZERS):
+                return where, found
+            linked += [str(where / n) for n in out if n in TOKENIZERS]
     places = ", ".join(str(p) for p in looked) or "the plan's source"
+    left = f" ({', '.join(linked)} links out of its folder: not followed)" if linked else ""
     raise PlanError(
         f"{output} output needs the model's tokenizer ({' or '.join(TOKENIZERS)}) beside its config, and none is "
-        f"in {places}: give {{hf_config}} the model's Hugging Face folder, which holds it"
+        f"in {places}{left}: give {{hf_config}} the model's Hugging Face folder, which holds it"
     )
 
 
 def _made(name: str, files: dict[str, Path | bytes]) -> Path:
-    """A new folder ``name`` holding ``files``: bytes written, local paths linked, a URL's copied
-    (the readers of a tokenizer read local files)."""
+    """A new folder ``name`` holding copies of ``files`` (the readers of a tokenizer read local
+    files; a link would lead out of the folder, which MLX's side files do not follow); folders
+    (a sentence-transformers module) left out: neither converter reads one."""
     if not _ROOT:
         _ROOT.append(Path(tempfile.mkdtemp(prefix="streamck-model-")))
         atexit.register(shutil.rmtree, _ROOT[0], True)
     folder = Path(tempfile.mkdtemp(dir=_ROOT[0])) / name
     folder.mkdir()
     for n, data in files.items():
-        if isinstance(data, Path):
-            (folder / n).symlink_to(data.resolve())
-        else:
-            (folder / n).write_bytes(data if isinstance(data, bytes) else data.read_bytes())
+        if isinstance(data, bytes):
+            (folder / n).write_bytes(data)
+        elif not data.is_file():
+            continue
+        elif isinstance(data, Path):
+            shutil.copyfile(data, folder / n)
+        else:  # a URL's
+            (folder / n).write_bytes(data.read_bytes())
     return folder

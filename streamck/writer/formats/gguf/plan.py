@@ -46,7 +46,7 @@ def model_dir(plan: Plan) -> Path:
     (streamck.writer.formats.sidecar); else where the plan's side files come from, else the
     source's. A PlanError where it has no config.json or no tokenizer."""
     if sidecar.exported_config(plan) is not None:
-        return sidecar.model_folder(plan, "GGUF")[1]
+        return sidecar.model_folder(plan, "GGUF")
     where = next(
         (p.parent for n in ("config.json", "tokenizer.json") if isinstance(p := plan.side_files.get(n), Path)), None
     )

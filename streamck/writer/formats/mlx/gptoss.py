@@ -64,7 +64,8 @@ class ExpertSlices:
     @property
     def label(self) -> str:
         pick = {None: "", 0: f"rows {self.start}::2", 1: f"columns {self.start}::2"}[self.axis]
-        return f"gpt-oss experts {', '.join(p for p in (pick, 'transposed' if self.transpose else '') if p)}"
+        what = ", ".join(p for p in (pick, "transposed" if self.transpose else "") if p)
+        return f"gpt-oss experts {what or 'as stored'}"
 
     def inputs(self) -> tuple[TensorRef, ...]:
         return ()
@@ -181,7 +182,10 @@ def _down(t: OutputTensor, block: str, part: str) -> OutputTensor:
                             (shape[0], shape[2], shape[1]))  # fmt: skip
     if part == "_blocks":  # the same bytes, four to a uint32 word (mx's view)
         words = (*shape[:2], shape[2] * shape[3] // 4)
-        return OutputTensor(f"{block}.down_proj.weight", ref._replace(dtype="U32", shape=words), "U32")
+        if ref.tiles is None and ref.strides is None and ref.parts is None:  # lying whole in its file: copied
+            return OutputTensor(f"{block}.down_proj.weight", ref._replace(dtype="U32", shape=words), "U32")
+        # in blocks (a DCP save), whose boxes are in the bytes' own shape: streamed as they come
+        return OutputTensor(f"{block}.down_proj.weight", ref, "U32", ExpertSlices(shape[1], words[2] * 4, None), words)
     leaf = "bias" if part == "_bias" else "scales"
     return OutputTensor(f"{block}.down_proj.{leaf}", ref, t.dtype)
 

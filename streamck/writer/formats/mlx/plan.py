@@ -24,6 +24,7 @@ from streamck.dtypes import TORCH_NAMES, castable_dtype
 from streamck.errors import PlanError, UsageError
 from streamck.plan import OutputTensor, Plan
 from streamck.plan.quant.dequant import SCALE_NAMES, dequantize_plan, quantized_kind
+from streamck.source import layout
 from streamck.source.select import concat
 from streamck.transforms.dequantize import Fp4Dequant, Fp8Dequant
 from streamck.transforms.mlx_quant import PARTS, MlxQuant, MlxStack, group_shape, packed_shape
@@ -86,7 +87,7 @@ def model_dir(plan: Plan) -> Path:
     step), the folder of its own config.json and the tokenizer's files
     (streamck.writer.formats.sidecar); else where the plan's side files come from, else the source's."""
     if sidecar.exported_config(plan) is not None:
-        return sidecar.model_folder(plan, "MLX")[1]
+        return sidecar.model_folder(plan, "MLX")
     config = plan.side_files.get("config.json")
     where = config.parent if isinstance(config, Path) else None
     if where is None and plan.source is not None:
@@ -316,10 +317,11 @@ def saved_config(config: dict[str, Any], quant: dict | None) -> dict[str, Any]:
 
 def side_files(where: Path) -> dict[str, Path | bytes]:
     """What ``save`` writes beside the weights and the config: the tokenizer's files, the
-    model's ``*.py`` and generation_config.json, and its model card."""
+    model's ``*.py`` and generation_config.json, and its model card; not a file that links out
+    of the folder (streamck.source.layout.escapes: the plan's note names it)."""
     files: dict[str, Path | bytes] = {}
     for p in sorted(where.iterdir()):
-        if p.is_file() and (p.name in table.TOKENIZER_FILES or p.suffix == ".py"):
+        if p.is_file() and (p.name in table.TOKENIZER_FILES or p.suffix == ".py") and not layout.escapes(p, where):
             files[p.name] = p
     files["README.md"] = table.README
     return files
