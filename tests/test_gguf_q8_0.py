@@ -68,3 +68,75 @@ def test_the_references_type_rules():
     assert _qtype("blk.0.attn_norm.weight", (64,), q8) == "F32"
     assert _qtype("blk.0.attn_q.bias", (64,), bf16) == "F32"
     assert _qtype("blk.0.attn_q.weight", (64, 64), bf16) == "BF16"
+
+
+def _edges(rows: int, cols: int) -> np.ndarray:
+    """_awkward's values and the blocks where a faster quantizer could part from gguf-py's: exact
+    ties (a block's max 127, so d = 1 and x / d is x), -0.0, a scale that overflows float16, a
+    subnormal scale, a block of subnormals, NaN and ±inf (gguf-py casts NaN to int8 there)."""
+    x = _awkward(rows, cols)
+    x[4, :32] = np.concatenate([[127.0], np.arange(31) - 15.5])  # every other value a tie
+    x[5, :32] = -x[4, :32]
+    x[6, :32] = -0.0
+    x[7, :32] *= 1e7  # d = max / 127 > 65504: inf as float16
+    x[8, :32] = np.linspace(-1, 1, 32) * 1e-37  # d subnormal: x / d past 127 once rounded
+    x[9, :32] = np.float32(1e-45) * np.arange(32)
+    x[10, 3], x[11, 40], x[12, 70] = np.nan, np.inf, -np.inf
+    x[13, :32] = np.nextafter(np.float32(0.5), np.float32(0)) * np.sign(np.arange(32) - 15.5)
+    x[13, 0] = 127.0  # d = 1: x / d is 0.49999997, which rounds to 0 (to 1 once 0.5 is added to it)
+    return x
+
+
+def _reference(x: np.ndarray) -> bytes:
+    import warnings
+
+    import gguf
+    from gguf.quants import quantize
+
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        return quantize(x, gguf.GGMLQuantizationType.Q8_0).tobytes()
+
+
+@pytest.mark.parametrize("chunk", [3, 2048])
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "F64"])
+def test_quantize_equals_gguf_py(monkeypatch, dtype, chunk):
+    """quantize (two threads, chunks of ``chunk`` blocks: a short last one) gives gguf-py's
+    bytes for the source widened to float32, the edge blocks included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = _edges(300, 96)
+    with np.errstate(over="ignore"):  # row 7 as float16: inf, as the reference's source would hold
+        raw = {"F32": x, "F16": x.astype(np.float16), "F64": x.astype(np.float64) * (1 + 1e-9),
+               "BF16": (x.view(np.uint32) >> 16).astype(np.uint16)}[dtype]  # fmt: skip
+    monkeypatch.setattr(q8_0, "CHUNK_BLOCKS", chunk)
+    with ThreadPoolExecutor(2) as pool, np.errstate(over="ignore"):
+        got = q8_0.quantize(raw.reshape(-1), dtype, pool)
+    assert got.shape == (300 * 3, 34)
+    with np.errstate(over="ignore"):
+        widened = q8_0.widen(raw.reshape(-1), dtype).reshape(x.shape)
+    assert got.tobytes() == _reference(widened)
+
+
+def test_the_fast_path_is_what_runs(monkeypatch):
+    """Only the blocks with NaN, inf or a subnormal scale go to gguf-py's own quantize_blocks."""
+    from gguf.quants import Q8_0
+
+    sent = []
+    real = Q8_0.quantize_blocks.__func__
+    monkeypatch.setattr(Q8_0, "quantize_blocks", classmethod(lambda cls, b: sent.append(len(b)) or real(cls, b)))
+    q8_0.quantize(_edges(20, 96).reshape(-1), "F32")
+    assert sent == [4]  # rows 8 (subnormal scale), 10, 11 and 12 (NaN, inf, -inf)
+
+
+def test_rounding_is_gguf_py_s_at_every_half():
+    """floor(a + HALF) is gguf-py's np_roundf for a >= 0 around every k + 0.5 up to 127.5
+    (4096 floats each side), at the largest float below 0.5, and on random values: the check
+    has teeth, as floor(a + 0.5) fails it. (Every float32 in [0, 128] was checked once, offline.)"""
+    from gguf.quants import np_roundf
+
+    near = (np.arange(128, dtype=np.float32) + 0.5).view(np.int32)[:, None] + np.arange(-4096, 4097, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    a = np.concatenate([near.ravel().view(np.float32), rng.uniform(0, 127.5, 1 << 20).astype(np.float32)])
+    assert np.array_equal(np.floor(a + q8_0.HALF), np_roundf(a))
+    assert not np.array_equal(np.floor(a + np.float32(0.5)), np_roundf(a))

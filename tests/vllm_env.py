@@ -75,10 +75,11 @@ def vllm_python() -> Path:
 
 def _driver_env() -> dict[str, str]:
     """The driver's environment: 1 GiB of KV cache, no usage reports, nothing downloaded, none of the
-    suite's venv settings, one OpenMP thread (``OMP_NUM_THREADS`` where set). On 2 cores the suite's other
-    worker runs beside the engine: vLLM's default binds a thread per core, whose barriers spin while the
-    other worker holds one (a test beside it took 159 s, 29 s alone). vLLM's engine runs inside the driver (no EngineCore or worker process: ~25 s
-    a load less on 2 cores) unless ``STREAMCK_VLLM_ENGINE=processes``, vLLM's default (a server's)."""
+    suite's venv settings, one OpenMP thread (``OMP_NUM_THREADS`` where set). On 2 cores the suite's
+    other worker runs beside the engine: vLLM's default binds a thread per core, whose barriers spin
+    while the other worker holds one (a test beside it took 159 s, 29 s alone). vLLM's engine runs
+    inside the driver (no EngineCore or worker process: ~25 s a load less on 2 cores) unless
+    ``STREAMCK_VLLM_ENGINE=processes``, vLLM's default (a server's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     processes = os.environ.get("STREAMCK_VLLM_ENGINE") == "processes"
     settings = {

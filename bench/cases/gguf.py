@@ -1,5 +1,7 @@
 """-o model.gguf against llama.cpp's own converter (convert_hf_to_gguf.py, llama-cpp-python
-0.3.36's copy) and cp -r of the model: bf16 and Q8_0, time and peak RSS, the files compared."""
+0.3.36's copy) and cp -r of the model: bf16 and Q8_0, time and peak RSS, the files compared; and
+the header's floor (_floor: what any writer that takes the vocabulary through gguf-py and
+tokenizers does before its first tensor byte, then cp -r)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,18 @@ from pathlib import Path
 from harness import HERE, PY, case, contend, cp_fsync, dir_bytes, run_child, streamck, table
 
 CACHE = Path.home() / ".cache" / "streamck-bench"
+# The least a gguf-py writer does for the header: start Python, import gguf-py and tokenizers, load
+# the tokenizer (the reference's pre-tokenizer check encodes with it; its vocabulary comes from it)
+# and parse tokenizer.json once (its merges); no keys packed, nothing written.
+_HEADER_FLOOR = (
+    "import sys, gguf, orjson; from tokenizers import Tokenizer; p = sys.argv[1] + '/tokenizer.json'; "
+    "Tokenizer.from_file(p); orjson.loads(open(p, 'rb').read())"
+)
+
+
+def _floor(base: Path):
+    """The header's floor (_HEADER_FLOOR), then cp -r + sync of the model, as one contender."""
+    return lambda o: ["sh", "-c", f'"$0" -c "$1" "{base}" && cp -r "{base}" "{o}" && sync "{o}"/*', PY, _HEADER_FLOOR]
 
 
 def _llama_cpp() -> Path:
@@ -43,6 +57,7 @@ def case_gguf(a: argparse.Namespace, tmp: Path) -> str:
 
     contenders = {
         "cp -r + sync (model)": cp_fsync(base),
+        "floor: header + cp": _floor(base),
         "streamck bf16": ours(),
         "convert_hf_to_gguf bf16": theirs("bf16"),
         "streamck Q8_0": ours("--quantize", "Q8_0"),
@@ -85,6 +100,7 @@ def case_gguf_moe(a: argparse.Namespace, tmp: Path) -> str:
 
     contenders = {
         "cp -r + sync (model)": cp_fsync(base),
+        "floor: header + cp": _floor(base),
         "streamck bf16": ours(),
         "convert_hf_to_gguf bf16": theirs("bf16"),
         "streamck Q8_0": ours("--quantize", "Q8_0"),

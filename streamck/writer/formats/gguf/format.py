@@ -3,9 +3,10 @@ tensor's bytes at a multiple of 32, as ``convert_hf_to_gguf.py`` writes it; with
 ``max_shard_size``, the split files gguf-split names (``OUT-00001-of-0000N.gguf``, ``split.*``
 keys), split where the reference's ``--split-max-size`` splits them.
 
-The header is gguf-py's own: a ``gguf.GGUFWriter`` is given the tensor infos and the keys
-(streamck.writer.formats.gguf.meta) and writes its header, key-values and tensor infos into
-memory; the tensors' bytes are then the writer's (kernel copies, casts, Q8_0 bands).
+The header is gguf-py's own: a ``gguf.GGUFWriter`` (pack.Writer: its arrays packed in bulk, to
+the same bytes) is given the tensor infos and the keys (streamck.writer.formats.gguf.meta) and
+writes its header, key-values and tensor infos into memory; the tensors' bytes are then the
+writer's (kernel copies, casts, Q8_0 bands).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from streamck.errors import PlanError
 from streamck.fileio import write_all
 from streamck.plan import OutputTensor, Plan
 from streamck.writer.formats.base import Format, TensorBytes
-from streamck.writer.formats.gguf import meta
+from streamck.writer.formats.gguf import compat, meta, pack
 from streamck.writer.formats.gguf.plan import Prepared, prepare
 from streamck.writer.layout import Shard
 
@@ -76,15 +77,17 @@ def layout(tensors: list[OutputTensor], prepared: Prepared, filename: str, max_s
     """The files: ``filename`` alone, or gguf-split's numbered files of at most ``max_size``
     tensor bytes each, each Shard's header its complete front matter, padded to the alignment."""
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[prepared.family.arch]]
-    w = gguf.GGUFWriter(path=None, arch=arch, split_max_size=max_size)
+    w = pack.Writer(path=None, arch=arch, split_max_size=max_size)  # gguf-py's, arrays packed in bulk
     by_name = {}
     for t in tensors:
         qtype, shape = ggml_type(t)
         w.add_tensor_info(t.name, shape, np.dtype(np.float32), t.nbytes, raw_dtype=qtype)
         by_name[t.name] = t
-    meta.add_model_keys(w, prepared.family, prepared.hparams, prepared.model_dir, prepared.ftype)
+    with compat.paused_gc():  # the vocabulary: ~10^6 objects, no cycles
+        meta.add_model_keys(w, prepared.family, prepared.hparams, prepared.model_dir, prepared.ftype)
     names = [Path(p).name for p in w.format_shard_names(Path(filename))]
     groups = [[by_name[n] for n in files] for files in w.tensors]
+    compat.forget()  # the vocabulary is in the keys: tokenizer.json's parse is done with
     return [
         Shard(name, header, group, "gguf", w.data_alignment)
         for name, header, group in zip(names, headers(w), groups, strict=True)

@@ -21,7 +21,7 @@ import gguf
 
 from streamck.errors import PlanError
 from streamck.writer.formats.gguf import spm, table
-from streamck.writer.formats.gguf.compat import SpecialVocab, load_metadata
+from streamck.writer.formats.gguf.compat import SpecialVocab, load_metadata, tokenizer_json
 from streamck.writer.formats.gguf.rope import is_llama3
 
 
@@ -124,7 +124,7 @@ def check_tokenizer(model_dir: Path, family: table.Family) -> str:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise PlanError(f"GGUF output needs the model's tokenizer.json, and {model_dir} has none")
-    data = json.loads(path.read_bytes())
+    data = tokenizer_json(path)  # parsed once: the header's vocabulary reads it again
     model = data.get("model", {})
     if model.get("type") != "BPE":
         raise PlanError(f"a {model.get('type')} tokenizer: GGUF output writes BPE vocabularies only")
