@@ -44,7 +44,8 @@ _clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 BUILD_FIRST = ("test_verl.py", "test_zero_parse.py", "test_quantize.py", "test_verl_megatron.py",
                "test_megatron_train.py", "test_moe_automodel.py", "test_titan.py", "test_lightning.py",
                "test_trainer.py", "test_moe_megatron.py", "test_dequantize.py", "test_vllm.py",
-               "test_gguf.py", "test_gguf_moe.py", "test_gguf_deepseek.py", "test_gguf_spm.py", "test_gguf_rope.py",
+               "test_gguf.py", "test_gguf_moe.py", "test_gguf_deepseek.py", "test_gguf_gptoss.py", "test_gguf_spm.py",
+               "test_gguf_rope.py",
                "test_megatron_import.py", "test_mlx.py", "test_mlx_gptoss.py")  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import gguf
 
 from streamck.errors import PlanError
-from streamck.writer.formats.gguf import spm, table
+from streamck.writer.formats.gguf import mla, spm, table
 from streamck.writer.formats.gguf.compat import SpecialVocab, load_metadata, tokenizer_json
 from streamck.writer.formats.gguf.rope import is_llama3
 
@@ -66,7 +66,9 @@ def rope_parameters(hparams: dict[str, Any]) -> dict[str, Any]:
 def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, Any], ftype: int) -> None:
     """``TextModel.set_gguf_parameters``, then the family's own keys (the config checked first
     by ``check_parameters``). Llama 3's RoPE scaling writes no key: it is the ``rope_freqs``
-    tensor (streamck.writer.formats.gguf.rope)."""
+    tensor (streamck.writer.formats.gguf.rope). DeepSeek's MLA adds its own (streamck.writer.formats.gguf.mla)."""
+    if family.mla:
+        hparams = mla.key_hparams(hparams)
     w.add_block_count(find(hparams, table.BLOCK_COUNT))
     for method, keys in table.PARAMS:
         if (value := find(hparams, keys)) is not None:
@@ -75,7 +77,9 @@ def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, 
         w.add_causal_attention(False)
     rope = rope_parameters(hparams)
     params = rope.get("full_attention", rope)
-    if params.get("rope_type") not in (None, "default") and not (family.rope_freqs and is_llama3(params)):
+    if family.yarn and params.get("rope_type") == "yarn" and params.get("factor") is not None:
+        add_yarn(w, params)
+    elif params.get("rope_type") not in (None, "default") and not (family.rope_freqs and is_llama3(params)):
         raise PlanError(f"RoPE type {params['rope_type']!r}: GGUF output does not write it yet")
     if (theta := params.get("rope_theta")) is not None:
         w.add_rope_freq_base(theta)
@@ -88,6 +92,8 @@ def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, 
     for method, keys in table.MOE_PARAMS:
         if (value := find(hparams, keys)) is not None:
             getattr(w, method)(value)
+    if family.mla:
+        mla.add_gating(w, hparams)
     if (head_dim := hparams.get("head_dim")) is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -99,13 +105,34 @@ def add_parameters(w: gguf.GGUFWriter, family: table.Family, hparams: dict[str, 
     for method, keys in family.params:
         if (value := find(hparams, keys)) is not None:
             getattr(w, method)(value)
+    if family.mla:
+        mla.add_parameters(w, hparams)
+
+
+def add_yarn(w: gguf.GGUFWriter, params: dict[str, Any]) -> None:
+    """``TextModel.set_gguf_parameters``'s YaRN keys, in its order (``rope_type`` ``yarn`` with a ``factor``)."""
+    if "original_max_position_embeddings" not in params:
+        raise PlanError("config.json's YaRN RoPE scaling has no original_max_position_embeddings")
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(params["factor"])
+    w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+    if (ext := params.get("extrapolation_factor")) is not None:
+        w.add_rope_scaling_yarn_ext_factor(ext)
+    if (attn := params.get("attention_factor", params.get("attn_factor"))) is not None:
+        w.add_rope_scaling_yarn_attn_factor(attn)
+    if (fast := params.get("beta_fast")) is not None:
+        w.add_rope_scaling_yarn_beta_fast(fast)
+    if (slow := params.get("beta_slow")) is not None:
+        w.add_rope_scaling_yarn_beta_slow(slow)
 
 
 def check_parameters(family: table.Family, hparams: dict[str, Any]) -> None:
     """Refuse a config this slice would convert otherwise than the reference: one with keys it
     does not write (table.UNSUPPORTED), or experts in a family converted as a dense model."""
-    refused = [k for k in table.UNSUPPORTED if k in hparams]
-    if family.experts is None and find(hparams, table.EXPERT_COUNT) is not None:
+    refused = [k for k in table.UNSUPPORTED if k in hparams and not (family.mla and k in mla.GATING)]
+    if family.mla:
+        mla.check(hparams)
+    if family.experts is None and not family.gptoss and find(hparams, table.EXPERT_COUNT) is not None:
         refused.append(next(k for k in table.EXPERT_COUNT if k in hparams))
     if family.arch == "LLAMA" and hparams.get("vocab_size") == table.CODELLAMA_VOCAB:
         refused.append(f"vocab_size {table.CODELLAMA_VOCAB} (CodeLlama's infill tokens)")

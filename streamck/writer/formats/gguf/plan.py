@@ -12,6 +12,7 @@ Tensors the reference computes from the config (Llama 3's ``rope_freqs``) come f
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from streamck.plan import OutputTensor, Plan
 from streamck.source.select import Rows, select
 from streamck.transforms.q8_0 import BLOCK, Q8_0, q8_0_shape
 from streamck.writer.formats import sidecar
-from streamck.writer.formats.gguf import meta, rope, table
+from streamck.writer.formats.gguf import computed, gptoss, meta, mla, rope, table
 from streamck.writer.formats.gguf.experts import Stacker
 
 FLOATS = ("F64", "F32", "F16", "BF16")
@@ -86,12 +87,17 @@ def prepare(plan: Plan, outtype: str = "auto") -> tuple[Plan, Prepared]:
     meta.check_parameters(family, hparams)
     meta.check_tokenizer(where, family)
     ftype = file_type(outtype, plan.tensors)
+    plan = computed.dequantized(plan)  # an FP8 source's weights, as the reference's dequant_model
     arch = gguf.MODEL_ARCH[family.arch]
     names = gguf.get_tensor_name_map(arch, hparams["num_hidden_layers"])
     stacker = _stacker(family, hparams)
+    rewriter = gptoss.Rewriter(names, lambda n, shape: _qtype(n, shape, ftype)) if family.gptoss else None
     out = []
-    for t in sorted(plan.tensors, key=lambda t: (t.source.path.name, t.name)):  # by file, then name
+    for t in _rewritten(family, hparams, sorted(plan.tensors, key=lambda t: (t.source.path.name, t.name))):
         if t.name.endswith(table.SKIPPED_SUFFIXES):
+            continue
+        if rewriter is not None and (done := rewriter.take(t)) is not None:
+            out += done  # gpt-oss's experts, sinks and expert biases (streamck.writer.formats.gguf.gptoss)
             continue
         stacked = stacker.take(t) if stacker else None
         for s in [t] if stacked is None else stacked:
@@ -101,10 +107,11 @@ def prepare(plan: Plan, outtype: str = "auto") -> tuple[Plan, Prepared]:
             out.append(_output(s, name, _rows(s, family, hparams), ftype))
     if stacker:
         stacker.finish()
-    out = [*_generated(family, hparams, where), *out]  # generate_extra_tensors's come first
+    extra = [*_generated(family, hparams, where), *(rewriter.finish() if rewriter else [])]
+    out = [*extra, *out]  # generate_extra_tensors's come first
     summary = [*plan.summary, f"GGUF {gguf.MODEL_ARCH_NAMES[arch]}, {ftype.name}, keys from {sidecar.describe(where)}"]
     gguf_plan = Plan(out, {}, source=plan.source, summary=summary, notices=plan.notices)
-    return gguf_plan, Prepared(family, hparams, where, ftype)
+    return gguf_plan, Prepared(family, hparams, where, gptoss.file_type_key(ftype, hparams))
 
 
 def _generated(family: table.Family, hparams: dict[str, Any], where: Path) -> list[OutputTensor]:
@@ -117,6 +124,13 @@ def _generated(family: table.Family, hparams: dict[str, Any], where: Path) -> li
     return []
 
 
+def _rewritten(family: table.Family, hparams: dict[str, Any], tensors: list[OutputTensor]) -> Iterator[OutputTensor]:
+    """``tensors`` (by file, then name) as the family's ``modify_tensors`` hands them on: DeepSeek's
+    kv_b_proj split and renames (streamck.writer.formats.gguf.mla), else each as it is."""
+    for t in tensors:
+        yield from mla.rewrite(t, hparams) if family.mla else (t,)
+
+
 def _stacker(family: table.Family, hparams: dict[str, Any]) -> Stacker | None:
     """The family's expert stacker (None for a dense family); PlanError where config.json
     states no expert count."""
@@ -125,7 +139,7 @@ def _stacker(family: table.Family, hparams: dict[str, Any]) -> Stacker | None:
     count = meta.find(hparams, table.EXPERT_COUNT)
     if not isinstance(count, int) or count < 1:
         raise PlanError(f"config.json states no expert count ({' or '.join(table.EXPERT_COUNT)})")
-    return Stacker(family.experts, count)
+    return computed.DequantStacker(family.experts, count)
 
 
 def _rows(t: OutputTensor, family: table.Family, hparams: dict[str, Any]) -> Rows | None:
@@ -143,8 +157,8 @@ def _rows(t: OutputTensor, family: table.Family, hparams: dict[str, Any]) -> Row
 def _output(t: OutputTensor, name: str, rows: Rows | None, ftype: gguf.LlamaFileType) -> OutputTensor:
     """The GGUF tensor ``name`` made of ``t``'s source (its ``rows`` where given), in the type
     the reference gives it."""
-    if t.transform is not None:
-        raise PlanError(f"{t.name} is computed ({t.transform.label}): GGUF output reads stored tensors only, yet")
+    if t.transform is not None:  # a dequantized weight (streamck.writer.formats.gguf.computed), else refused
+        return computed.output(t, name, _qtype(name, t.shape, ftype), rows is not None)
     if t.source.dtype not in FLOATS:
         raise PlanError(f"{t.name} is {t.source.dtype}: GGUF output converts float tensors only")
     try:

@@ -4,7 +4,8 @@ its tensors are rewritten, and which ``config.json`` values become which GGUF ke
 Every row restates what llama.cpp's ``convert_hf_to_gguf.py`` (as vendored by llama-cpp-python
 0.3.36: ``conversion/base.py`` ``TextModel``, ``conversion/llama.py`` ``LlamaModel`` (Mistral and
 Mixtral too; its ``rope_freqs`` tensor in streamck.writer.formats.gguf.rope), ``conversion/qwen.py``
-``Qwen3Model`` and ``Qwen3MoeModel``) does for that family;
+``Qwen3Model`` and ``Qwen3MoeModel``, ``conversion/gpt_oss.py`` ``GptOssModel``: its own tensors in
+streamck.writer.formats.gguf.gptoss) does for that family;
 the names of the GGUF keys and tensors are gguf-py's (``gguf.Keys``, ``TensorNameMap``), looked up
 by the writer method or ``MODEL_ARCH`` member named here, never retyped.
 """
@@ -35,6 +36,9 @@ class Family:
     params: tuple[tuple[str, tuple[str, ...]], ...] = ()
     sentencepiece: bool = False
     rope_freqs: bool = False
+    mla: bool = False  # DeepSeek's MLA conversion: its tensors and keys (streamck.writer.formats.gguf.mla)
+    gptoss: bool = False  # gpt-oss's fused experts and sinks (streamck.writer.formats.gguf.gptoss)
+    yarn: bool = False  # writes YaRN RoPE scaling's keys (TextModel.set_gguf_parameters), else refuses it
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,16 @@ FAMILIES: dict[str, Family] = {
         "LLAMA", permute_qk=True, vocab_size_key=True, rope_dims_key=True,
         experts=Experts("block_sparse_moe", ("w1", "w2", "w3"), "layers.{bid}.feed_forward.experts.{proj}.weight"),
         sentencepiece=True, rope_freqs=True,
+    ),
+    "DeepseekV3ForCausalLM": Family(
+        "DEEPSEEK2", permute_qk=False, vocab_size_key=False, rope_dims_key=False,
+        experts=Experts("mlp", ("down_proj", "gate_proj", "up_proj"), "model.layers.{bid}.mlp.experts.{proj}.weight"),
+        mla=True, yarn=True,
+    ),
+    "GptOssForCausalLM": Family(
+        "GPT_OSS", permute_qk=False, vocab_size_key=False, rope_dims_key=False, gptoss=True, yarn=True,
+        params=(("add_sliding_window", ("sliding_window",)),
+                ("add_expert_feed_forward_length", ("intermediate_size",))),
     ),
 }  # fmt: skip
 
@@ -134,6 +148,9 @@ PRE_TOKENIZERS = {
     "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # meta-llama/Meta-Llama-3-8B
     "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen/Qwen1.5-7B
     "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",  # Qwen/Qwen3-Embedding-0.6B
+    # Xenova/gpt-4o: o200k, which gpt-oss's tokenizer extends with special tokens only (the suite
+    # has no o200k vocabulary: its gpt-oss models carry llama-bpe's)
+    "ccc2ef013c104be7bae2965776d611e1d7a8a2a9c547dd93a682c9a9fc80352e": "gpt-4o",
 }
 # TextModel.does_token_look_special: added tokens that are control tokens though not marked special.
 LOOKS_SPECIAL = ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
