@@ -202,3 +202,32 @@ def test_a_plans_own_tokenizer_in_a_bucket_names_the_model_as_a_local_one(tmp_pa
         folder = sidecar.model_folder(plan, "GGUF")
         assert folder.name == "huggingface" and (folder / "tokenizer.json").read_bytes() == data, tokenizer
         assert str(tokenizer.parent) in sidecar.describe(folder)
+
+
+def _hf_copy(qwen3: Path, tmp_path: Path) -> Path:
+    """The tiny Qwen3's folder copied (its files real, not links), to be damaged."""
+    src = tmp_path / "model"
+    shutil.copytree(qwen3, src)
+    return src
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_a_broken_json_beside_the_weights_is_one_line_for_gguf(qwen3, tmp_path, name):
+    """A truncated JSON file the GGUF writer reads: one line naming it, exit 2, nothing written."""
+    src = _hf_copy(qwen3, tmp_path)
+    (src / name).write_bytes((src / name).read_bytes()[:40])
+    out = tmp_path / "out.gguf"
+    line = _one_line(cli("rewrite", src, "-o", out, check=2), out)
+    assert name in line, line
+
+
+def test_gguf_reads_no_tokenizer_that_links_out_of_the_source(qwen3, tmp_path):
+    """A tokenizer.json linked to a file outside the model's folder is not read into the file:
+    one line naming it, exit 2, nothing written (as -o hf leaves it out)."""
+    src = _hf_copy(qwen3, tmp_path)
+    outside = tmp_path / "elsewhere.json"
+    (src / "tokenizer.json").rename(outside)
+    (src / "tokenizer.json").symlink_to(outside)
+    out = tmp_path / "out.gguf"
+    line = _one_line(cli("rewrite", src, "-o", out, check=2), out)
+    assert "tokenizer.json" in line and "links out" in line, line

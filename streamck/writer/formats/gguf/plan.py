@@ -21,10 +21,11 @@ import gguf
 
 from streamck.errors import PlanError
 from streamck.plan import OutputTensor, Plan
+from streamck.source.layout import escapes
 from streamck.source.select import Rows, select
 from streamck.transforms.q8_0 import BLOCK, Q8_0, q8_0_shape
 from streamck.writer.formats import sidecar
-from streamck.writer.formats.gguf import computed, gptoss, meta, mla, rope, table
+from streamck.writer.formats.gguf import compat, computed, gptoss, meta, mla, rope, table
 from streamck.writer.formats.gguf.experts import Stacker
 
 FLOATS = ("F64", "F32", "F16", "BF16")
@@ -59,6 +60,29 @@ def model_dir(plan: Plan) -> Path:
     return where
 
 
+# The files the header is made of (the config, the vocabulary, gguf-py's SpecialVocab's).
+READ = ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
+        "special_tokens_map.json", "added_tokens.json")  # fmt: skip
+
+
+def check_side_files(where: Path) -> None:
+    """A PlanError naming the first of READ in ``where`` that links out of it (it is not read into
+    the file, as ``-o DIR`` does not copy it) or, a JSON one, is no JSON, before the readers meet it."""
+    for name in READ:
+        path = where / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        if escapes(path, where):
+            raise PlanError("links out of the model's folder: not read (copy the file in)", path)
+        try:
+            if name == "tokenizer.json":
+                compat.tokenizer_json(path)  # kept for the header
+            elif name.endswith(".json"):
+                json.loads(path.read_bytes())
+        except ValueError as e:
+            raise PlanError(f"not valid JSON ({e})", path) from None
+
+
 def family_of(hparams: dict[str, Any]) -> table.Family:
     """The table's row for the config's architecture; a PlanError naming it where there is none."""
     arch = (hparams.get("architectures") or [None])[0]
@@ -82,6 +106,7 @@ def file_type(outtype: str, tensors: list[OutputTensor]) -> gguf.LlamaFileType:
 def prepare(plan: Plan, outtype: str = "auto") -> tuple[Plan, Prepared]:
     """``plan``'s tensors as the GGUF file's, in the reference's order, and what its keys need."""
     where = model_dir(plan)
+    check_side_files(where)
     hparams = json.loads((where / "config.json").read_bytes())
     family = family_of(hparams)
     meta.check_parameters(family, hparams)
