@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 MODULES = ("rewrite", "headers", "dcp", "trainers", "jobs", "merges", "clone", "lora", "quant", "gguf", "mlx",
-           "remote", "megatron_import")  # fmt: skip
+           "gptoss", "remote", "megatron_import")  # fmt: skip
 
 for _name in MODULES:
     importlib.import_module(f"{__name__}.{_name}")
