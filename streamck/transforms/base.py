@@ -62,6 +62,19 @@ class Transform(Protocol):
         ...
 
 
+class OwnSource:
+    """The usual ``inputs`` and ``origin`` of a Transform: nothing read besides the output's own
+    source, which a listing names (a base for the frozen dataclasses that implement one)."""
+
+    __slots__ = ()
+
+    def inputs(self) -> tuple[TensorRef, ...]:
+        return ()
+
+    def origin(self, source: TensorRef) -> TensorRef:
+        return source
+
+
 DEVICE = "device"  # the key of ``space`` naming the device a torch engine computes on
 
 

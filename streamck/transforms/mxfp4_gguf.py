@@ -30,6 +30,7 @@ import numpy as np
 from streamck.errors import OutputError
 from streamck.source import TensorRef
 from streamck.source.reader import Reader
+from streamck.transforms.base import OwnSource
 
 GROUP_BYTES = 16  # 32 E2M1 values a group, two a byte
 GGML_BLOCK_BYTES = 17  # block_mxfp4: the E8M0 exponent, then 16 bytes of nibbles
@@ -58,7 +59,7 @@ def _read(stream, size: int, ref: TensorRef) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
-class Mxfp4Repack:
+class Mxfp4Repack(OwnSource):
     """The output's source (blocks U8 [E, R, G, 16], or a row selection of them) with ``scale``
     (U8 [E, R, G], the same rows) as GGML MXFP4: the output is its bytes (U8 [E, R, G × 17]);
     ``shape`` is the logical [E, R, G × 32] GGUF records with ``ggml_type``."""
@@ -72,9 +73,6 @@ class Mxfp4Repack:
 
     def inputs(self) -> tuple[TensorRef, ...]:
         return (self.scale,)
-
-    def origin(self, source: TensorRef) -> TensorRef:
-        return source
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """The MXFP4 bytes, a band of whole rows at a time."""
@@ -98,7 +96,7 @@ def widen(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
-class TransposedExperts:
+class TransposedExperts(OwnSource):
     """The output's source (fused experts [E, A, B], a float dtype) with each expert transposed
     to [B, A] and its rows ``offset::every`` kept: the logical ``shape`` [E, B / every, A] in
     ``ggml_type`` (F32, F16, BF16 or Q8_0, gguf-py's ``quants.quantize`` of the float32 values,
@@ -114,12 +112,6 @@ class TransposedExperts:
     @property
     def label(self) -> str:
         return f"transposed, {self.ggml_type}"
-
-    def inputs(self) -> tuple[TensorRef, ...]:
-        return ()
-
-    def origin(self, source: TensorRef) -> TensorRef:
-        return source
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """The converted bytes, one expert read at a time, a band of its output rows converted at once."""

@@ -22,8 +22,8 @@ from itertools import pairwise
 import numpy as np
 
 from streamck.errors import OutputError
-from streamck.source import TensorRef
 from streamck.source.reader import Reader
+from streamck.transforms.base import OwnSource
 
 BLOCK, BLOCK_BYTES = 32, 34  # values per block, bytes per block (f16 scale + 32 int8)
 Q8_VALUES = 1 << 20  # a band: this many values (read in their dtype, ~1.06 bytes each out)
@@ -120,7 +120,7 @@ def quantize(raw: np.ndarray, dtype: str, pool: ThreadPoolExecutor | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Q8_0:
+class Q8_0(OwnSource):
     """The output's source quantized to Q8_0 (the output is its bytes: dtype U8, shape
     ``q8_0_shape(shape)``). ``shape`` is the logical shape, which GGUF records with the
     type ``ggml_type``."""
@@ -130,12 +130,6 @@ class Q8_0:
     label: str = "Q8_0"
     engine: str = "numpy"
     exact: bool = True
-
-    def inputs(self) -> tuple[TensorRef, ...]:
-        return ()
-
-    def origin(self, source: TensorRef) -> TensorRef:
-        return source
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """The Q8_0 bytes, a band of whole rows at a time."""

@@ -28,6 +28,7 @@ import numpy as np
 from streamck.errors import PlanError
 from streamck.plan import OutputTensor
 from streamck.source.header import TensorRef
+from streamck.transforms.base import OwnSource
 
 LLAMA3 = "llama3"
 NAME = "rope_freqs.weight"  # gguf.MODEL_TENSOR.ROPE_FREQS's name, as format_tensor_name gives it
@@ -61,19 +62,13 @@ def factors(params: dict[str, Any], hparams: dict[str, Any]) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class RopeFreqs:
+class RopeFreqs(OwnSource):
     """The transform of the ``rope_freqs.weight`` tensor: its bytes, made from the config, no inputs."""
 
     data: bytes
     label: str = "llama3 RoPE"
     engine: str = "numpy"
     exact: bool = True
-
-    def inputs(self) -> tuple[TensorRef, ...]:
-        return ()
-
-    def origin(self, source: TensorRef) -> TensorRef:
-        return source
 
     def pieces(self, target, reader, space: dict) -> Iterator[memoryview]:
         yield memoryview(self.data)

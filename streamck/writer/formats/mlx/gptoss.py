@@ -31,8 +31,8 @@ import numpy as np
 
 from streamck.errors import OutputError, PlanError
 from streamck.plan import OutputTensor, Plan
-from streamck.source import TensorRef
 from streamck.source.reader import Reader
+from streamck.transforms.base import OwnSource
 from streamck.transforms.mlx_quant import as_float32, from_float32
 
 # <layer>.mlp.experts . projection, and what of it: the weight (none), its bias, MXFP4 blocks or scales
@@ -46,7 +46,7 @@ BAND_BYTES = 4 << 20  # a band of an expert's rows read at a time
 
 
 @dataclass(frozen=True, slots=True)
-class ExpertSlices:
+class ExpertSlices(OwnSource):
     """A stack computed from a fused one [E, rows, cols], one expert's slice at a time: each
     slice's rows (``axis`` 0) or columns (``axis`` 1) ``start::2`` (``axis`` None: all of them),
     transposed with ``transpose``; cast to the output's dtype where that differs from the
@@ -66,12 +66,6 @@ class ExpertSlices:
         pick = {None: "", 0: f"rows {self.start}::2", 1: f"columns {self.start}::2"}[self.axis]
         what = ", ".join(p for p in (pick, "transposed" if self.transpose else "") if p)
         return f"gpt-oss experts {what or 'as stored'}"
-
-    def inputs(self) -> tuple[TensorRef, ...]:
-        return ()
-
-    def origin(self, source: TensorRef) -> TensorRef:
-        return source
 
     def pieces(self, target, reader: Reader, space: dict) -> Iterator[memoryview]:
         """Each expert's output slice in turn, read a band of its rows at a time: a band's picked
